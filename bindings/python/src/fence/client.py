@@ -1,0 +1,265 @@
+"""The synchronous client: one method per ``fence.v1.Fence`` RPC, typed in and out."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence
+
+import grpc
+
+from . import _requests as rq
+from . import types as t
+from .errors import error_from_rpc
+from .v1 import fence_pb2_grpc
+
+__all__ = ["Client", "DEFAULT_TARGET"]
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+class Client:
+    """A Fence client over a gRPC channel.
+
+    ``begin`` answers with a typed decision (:class:`fence.Execute`, :class:`fence.Replay`,
+    :class:`fence.InProgress` or :class:`fence.Refusal`), never an exception for a
+    well-formed request. Every other RPC raises :class:`fence.FenceRefused` for a domain
+    refusal (with ``reason`` and ``recovery`` parsed from the status details) and
+    :class:`fence.FenceRpcError` / :class:`fence.FenceUnavailable` for anything else.
+
+    Args:
+        target: ``host:port`` of the server.
+        tenant: sent as ``x-fence-tenant`` (the server's dev mode); ``None`` = not sent.
+        token: sent as ``authorization: Bearer <token>``; ``None`` = not sent.
+        timeout: per-call deadline in seconds (``None`` = none).
+        channel_credentials: TLS credentials; ``None`` = plaintext.
+        channel: an existing channel to use instead (the client does not close it).
+        metadata: extra metadata sent with every call.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        tenant: str | None = None,
+        token: str | None = None,
+        timeout: float | None = 30.0,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        channel: grpc.Channel | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._owns_channel = channel is None
+        if channel is None:
+            if channel_credentials is not None:
+                channel = grpc.secure_channel(target, channel_credentials)
+            else:
+                channel = grpc.insecure_channel(target)
+        self._channel = channel
+        self._stub = fence_pb2_grpc.FenceStub(channel)
+        self._metadata = rq.call_metadata(tenant, token, metadata)
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _call(self, rpc: rq.Rpc) -> Any:
+        method = getattr(self._stub, rpc.method)
+        try:
+            response = method(rpc.request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return rpc.convert(response)
+
+    def close(self) -> None:
+        """Closes the channel (if this client created it)."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- tool registry ----------------------------------------------------------------------
+
+    def register_tool(
+        self,
+        name: str | t.ToolSpec,
+        cls: t.OperationClass | None = None,
+        *,
+        volatile_fields: Iterable[str] = (),
+        normalized_fields: Iterable[str] = (),
+        string_normalization: t.StringNormalization = t.StringNormalization.STRING_NORMALIZATION_UNSPECIFIED,
+        retention_ms: int = 0,
+        lease_ms: int = 0,
+    ) -> t.ToolRegistration:
+        """Registers (or re-registers) a tool; identical re-registration is a no-op."""
+        return self._call(
+            rq.register_tool(
+                name, cls, volatile_fields, normalized_fields, string_normalization, retention_ms, lease_ms
+            )
+        )
+
+    def get_tool(self, name: str, version: int = 0) -> t.ToolSpec:
+        """A tool's current definition (or the given version)."""
+        return self._call(rq.get_tool(name, version))
+
+    # -- runs -------------------------------------------------------------------------------
+
+    def start_run(self, run: rq.RunLike) -> t.StartedRun:
+        """Creates the run if needed (idempotent): epoch 1, branch "main"."""
+        return self._call(rq.start_run(run))
+
+    def get_run(self, run: rq.RunLike) -> t.RunInfo:
+        """A run's epoch, branches, checkpoints and restore history."""
+        return self._call(rq.get_run(run))
+
+    def checkpoint(
+        self,
+        run: rq.RunLike,
+        checkpoint_id: str,
+        *,
+        branch: str | None = None,
+        epoch: int | None = None,
+    ) -> t.CheckpointResult:
+        """Records a named checkpoint at the end of the branch (default: the handle's)."""
+        return self._call(rq.checkpoint(run, checkpoint_id, branch, epoch))
+
+    def restore(
+        self, run: rq.RunLike, checkpoint_id: str, *, expected_epoch: int = 0
+    ) -> t.RestoreResult:
+        """Rewinds to a checkpoint: new epoch and replay tape. Updates a :class:`fence.Run`."""
+        return self._call(rq.restore(run, checkpoint_id, expected_epoch))
+
+    def fork(
+        self,
+        run: rq.RunLike,
+        checkpoint_id: str,
+        *,
+        epoch: int | None = None,
+        new_branch: str = "",
+        reason: str = "",
+    ) -> t.BranchInfo:
+        """Creates a branch at a checkpoint. A :class:`fence.Run` handle moves onto it."""
+        return self._call(rq.fork(run, checkpoint_id, epoch, new_branch, reason))
+
+    # -- effects ----------------------------------------------------------------------------
+
+    def begin(
+        self,
+        run: rq.RunLike,
+        tool: str,
+        arguments: rq.JsonArgs,
+        *,
+        step_key: str = "",
+        branch: str | None = None,
+        epoch: int | None = None,
+        deliberate_repeat: bool = False,
+        credentials: Iterable[rq.CredentialArg] = (),
+        lease_ms: int = 0,
+        record: bool = False,
+        saga_id: str = "",
+        compensation: t.Compensation | None = None,
+        compensates_effect_id: str = "",
+    ) -> t.BeginResult:
+        """Asks to perform one call of a tool; answers with a typed decision."""
+        return self._call(
+            rq.begin(
+                run,
+                tool,
+                arguments,
+                step_key=step_key,
+                branch=branch,
+                epoch=epoch,
+                deliberate_repeat=deliberate_repeat,
+                credentials=credentials,
+                lease_ms=lease_ms,
+                record=record,
+                saga_id=saga_id,
+                compensation=compensation,
+                compensates_effect_id=compensates_effect_id,
+            )
+        )
+
+    def heartbeat(self, effect_id: str, attempt: int, epoch: int, *, extend_ms: int = 0) -> t.Receipt:
+        """Extends a granted effect's lease."""
+        return self._call(rq.heartbeat(effect_id, attempt, epoch, extend_ms))
+
+    def complete(
+        self,
+        effect_id: str,
+        attempt: int,
+        epoch: int,
+        *,
+        result: bytes | None = None,
+        failed_before_input: str | None = None,
+        unknown: str | None = None,
+    ) -> t.Receipt:
+        """Records a granted effect's outcome: exactly one of the three keywords."""
+        return self._call(rq.complete(effect_id, attempt, epoch, result, failed_before_input, unknown))
+
+    def reconcile(
+        self,
+        effect_id: str,
+        epoch: int,
+        evidence: str,
+        *,
+        completed_result: bytes | None = None,
+        failed_before_input: str | None = None,
+    ) -> t.Receipt:
+        """Settles an effect whose outcome is unknown, with evidence."""
+        return self._call(rq.reconcile(effect_id, epoch, evidence, completed_result, failed_before_input))
+
+    def query_outcome(
+        self,
+        *,
+        effect_id: str | None = None,
+        run: rq.RunLike | None = None,
+        step_key: str | None = None,
+        tool: str | None = None,
+        arguments: rq.JsonArgs | None = None,
+        branch: str | None = None,
+    ) -> t.Outcome:
+        """What happened: by ``effect_id``, by ``run`` + ``step_key``, or by ``run`` + ``tool``
+        + ``arguments`` (intent)."""
+        return self._call(rq.query_outcome(effect_id, run, step_key, tool, arguments, branch))
+
+    def list_effects(
+        self,
+        run: rq.RunLike,
+        *,
+        branch: str = "",
+        saga_id: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> t.EffectsPage:
+        """One page of a run's effects (the audit trail)."""
+        return self._call(rq.list_effects(run, branch, saga_id, page_size, page_token))
+
+    def iter_effects(
+        self, run: rq.RunLike, *, branch: str = "", saga_id: str = "", page_size: int = 0
+    ) -> Iterator[t.Receipt]:
+        """Every effect of a run, following page tokens."""
+        token = ""
+        while True:
+            page = self.list_effects(run, branch=branch, saga_id=saga_id, page_size=page_size, page_token=token)
+            yield from page.effects
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    # -- credentials ------------------------------------------------------------------------
+
+    def register_credential(
+        self,
+        token: bytes | str,
+        *,
+        budget: int = 0,
+        bound_tool: str = "",
+        bound_arguments: rq.JsonArgs | None = None,
+    ) -> t.CredentialRegistration:
+        """Registers a one-time (or n-time) credential; the raw value is only hashed."""
+        return self._call(rq.register_credential(token, budget, bound_tool, bound_arguments))
+
+    def get_credential(self, token: bytes | str) -> t.CredentialInfo:
+        """A credential's use state."""
+        return self._call(rq.get_credential(token))
