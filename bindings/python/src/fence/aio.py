@@ -71,7 +71,7 @@ class AsyncClient:
     async def close(self) -> None:
         """Closes the channel (if this client created it)."""
         if self._owns_channel:
-            await self._channel.close()
+            await self._channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -170,7 +170,7 @@ class IntentSchema:
         return pb.IntentSchema(
             volatile_fields=list(self.volatile_fields),
             normalized_fields=list(self.normalized_fields),
-            string_normalization=int(self.string_normalization),
+            string_normalization=int(self.string_normalization),  # type: ignore[arg-type]
         )
 
 
