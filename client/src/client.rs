@@ -1,0 +1,1037 @@
+//! The typed client: connection setup (URL, timeouts, bearer token, dev-mode tenant) and one
+//! method per RPC, taking and returning domain types.
+//!
+//! These methods make exactly one RPC each (no retries): the protocol logic built on them lives
+//! in [`crate::effect`] (`run_effect`), [`crate::run`] and [`crate::saga`].
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use fence_proto::v1 as pb;
+use tonic::codegen::http;
+use tonic::metadata::AsciiMetadataValue;
+use tonic::transport::{Channel, Endpoint};
+use tower::util::BoxCloneSyncService;
+use tower::{Service, ServiceExt};
+
+use crate::error::Error;
+use crate::retry::RetryPolicy;
+use crate::types::{
+    BeginOutcome, BranchInfo, CheckpointInfo, Compensation, Completion, CredentialInfo,
+    CredentialUse, Finding, NewCredential, Outcome, OutcomeKey, Receipt, RegisteredTool, Restored,
+    RunInfo, Stored, ToolDef, receipt_req, required,
+};
+
+/// A boxed error, as returned by a custom transport.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The transport under the generated stub: a `Channel`, or any tower service the caller
+/// supplies (middleware, fault injection, an in-memory connection).
+type Transport = BoxCloneSyncService<
+    http::Request<tonic::body::Body>,
+    http::Response<tonic::body::Body>,
+    TransportError,
+>;
+
+/// A transport's error, boxed in a concrete type: with the bare trait object as the service
+/// error, rustc cannot prove the generated stub's futures `Send` (a higher-ranked lifetime
+/// limitation), and every client future must be spawnable. tonic finds the status (e.g.
+/// `UNAVAILABLE` for a refused connection) through `source()`.
+#[derive(Debug)]
+struct TransportError(BoxError);
+
+impl fmt::Display for TransportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "transport error: {}", self.0)
+    }
+}
+
+impl std::error::Error for TransportError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+type Stub = pb::fence_client::FenceClient<Transport>;
+
+/// The metadata name of the dev-mode tenant.
+pub const TENANT_METADATA: &str = "x-fence-tenant";
+
+/// A connection to a Fence server. Cheap to clone; clones share the connection.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), fence_client::Error> {
+/// use fence_client::FenceClient;
+///
+/// let client = FenceClient::connect("http://127.0.0.1:50051").await?;
+/// let run = client.start_run("order-1234").await?;
+/// println!("run {} is at epoch {}", run.value.run_id, run.value.epoch);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct FenceClient {
+    stub: Stub,
+    authorization: Option<AsciiMetadataValue>,
+    tenant: Option<AsciiMetadataValue>,
+    request_timeout: Option<Duration>,
+    policy: RetryPolicy,
+}
+
+impl fmt::Debug for FenceClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FenceClient")
+            .field(
+                "authorization",
+                &self.authorization.as_ref().map(|_| "<redacted>"),
+            )
+            .field("tenant", &self.tenant)
+            .field("request_timeout", &self.request_timeout)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`FenceClient`]: endpoint, timeouts, credentials, retry policy.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), fence_client::Error> {
+/// use std::time::Duration;
+/// use fence_client::{FenceClient, RetryPolicy};
+///
+/// let client = FenceClient::builder("http://127.0.0.1:50051")
+///     .connect_timeout(Duration::from_secs(2))
+///     .request_timeout(Duration::from_secs(5))
+///     .bearer_token("s3cr3t")
+///     .retry_policy(RetryPolicy { max_attempts: 5, ..RetryPolicy::default() })
+///     .connect()
+///     .await?;
+/// # let _ = client; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct FenceClientBuilder {
+    url: String,
+    connect_timeout: Option<Duration>,
+    request_timeout: Option<Duration>,
+    bearer_token: Option<String>,
+    tenant: Option<String>,
+    policy: RetryPolicy,
+}
+
+impl fmt::Debug for FenceClientBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FenceClientBuilder")
+            .field("url", &self.url)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field(
+                "bearer_token",
+                &self.bearer_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("tenant", &self.tenant)
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+impl FenceClientBuilder {
+    /// A builder for the server at `url` (e.g. `http://127.0.0.1:50051`), with a 5 s connect
+    /// timeout, a 10 s per-request timeout and the default [`RetryPolicy`].
+    pub fn new(url: impl Into<String>) -> Self {
+        FenceClientBuilder {
+            url: url.into(),
+            connect_timeout: Some(Duration::from_secs(5)),
+            request_timeout: Some(Duration::from_secs(10)),
+            bearer_token: None,
+            tenant: None,
+            policy: RetryPolicy::default(),
+        }
+    }
+
+    /// How long establishing a connection may take.
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = Some(timeout);
+        self
+    }
+
+    /// How long one RPC may take before it fails with `DEADLINE_EXCEEDED` (enforced by the
+    /// client and sent to the server as the gRPC deadline).
+    #[must_use]
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = Some(timeout);
+        self
+    }
+
+    /// Sends `authorization: Bearer <token>` with every call.
+    #[must_use]
+    pub fn bearer_token(mut self, token: impl Into<String>) -> Self {
+        self.bearer_token = Some(token.into());
+        self
+    }
+
+    /// Sends the tenant as `x-fence-tenant` metadata with every call (the server's dev mode
+    /// takes the tenant from it; with authentication on, the token decides).
+    #[must_use]
+    pub fn tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant = Some(tenant.into());
+        self
+    }
+
+    /// The retry policy of the protocol helpers (`run_effect`, the saga executor).
+    #[must_use]
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    fn endpoint(&self) -> Result<Endpoint, Error> {
+        let mut endpoint = Endpoint::from_shared(self.url.clone())
+            .map_err(|e| Error::Config(format!("invalid server URL {:?}: {e}", self.url)))?
+            .tcp_nodelay(true);
+        if let Some(timeout) = self.connect_timeout {
+            endpoint = endpoint.connect_timeout(timeout);
+        }
+        Ok(endpoint)
+    }
+
+    /// Connects now; fails if the server cannot be reached.
+    pub async fn connect(self) -> Result<FenceClient, Error> {
+        let channel = self.endpoint()?.connect().await.map_err(Error::Connect)?;
+        self.build_with_channel(channel)
+    }
+
+    /// Returns a client that connects on its first call (and reconnects after a failure).
+    pub fn connect_lazy(self) -> Result<FenceClient, Error> {
+        let channel = self.endpoint()?.connect_lazy();
+        self.build_with_channel(channel)
+    }
+
+    fn build_with_channel(self, channel: Channel) -> Result<FenceClient, Error> {
+        let transport = channel.map_err(|e| -> BoxError { Box::new(e) });
+        self.build_with_service(transport)
+    }
+
+    /// Builds a client over a caller-supplied transport: typically a [`Channel`] wrapped in
+    /// tower middleware (metrics, fault injection). The builder's URL and connect timeout are
+    /// not used; the request timeout, credentials and retry policy are.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use fence_client::FenceClientBuilder;
+    /// use tonic::transport::Endpoint;
+    ///
+    /// let channel = Endpoint::from_static("http://127.0.0.1:50051").connect().await?;
+    /// let client = FenceClientBuilder::new("unused").build_with_service(channel)?;
+    /// # let _ = client; Ok(()) }
+    /// ```
+    pub fn build_with_service<S>(self, service: S) -> Result<FenceClient, Error>
+    where
+        S: Service<http::Request<tonic::body::Body>, Response = http::Response<tonic::body::Body>>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        let transport =
+            BoxCloneSyncService::new(service.map_err(|e: S::Error| TransportError(e.into())));
+        let authorization = self
+            .bearer_token
+            .as_deref()
+            .map(|t| {
+                format!("Bearer {t}")
+                    .parse::<AsciiMetadataValue>()
+                    .map_err(|_| Error::Config("the bearer token is not valid metadata".into()))
+            })
+            .transpose()?;
+        let tenant = self
+            .tenant
+            .as_deref()
+            .map(|t| {
+                t.parse::<AsciiMetadataValue>()
+                    .map_err(|_| Error::Config(format!("the tenant {t:?} is not valid metadata")))
+            })
+            .transpose()?;
+        Ok(FenceClient {
+            stub: pb::fence_client::FenceClient::new(transport),
+            authorization,
+            tenant,
+            request_timeout: self.request_timeout,
+            policy: self.policy,
+        })
+    }
+}
+
+/// Which effects to list.
+///
+/// ```
+/// use fence_client::EffectFilter;
+///
+/// let saga = EffectFilter::run("order-1234").saga("trip-7");
+/// assert_eq!(saga.saga_id.as_deref(), Some("trip-7"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectFilter {
+    /// The run.
+    pub run_id: String,
+    /// Only this branch's own effects; `None` = every branch.
+    pub branch: Option<String>,
+    /// Only this saga's effects; `None` = all.
+    pub saga_id: Option<String>,
+}
+
+impl EffectFilter {
+    /// Every effect of a run, on every branch.
+    pub fn run(run_id: impl Into<String>) -> Self {
+        EffectFilter {
+            run_id: run_id.into(),
+            branch: None,
+            saga_id: None,
+        }
+    }
+
+    /// Only one branch's own effects.
+    #[must_use]
+    pub fn branch(mut self, branch: impl Into<String>) -> Self {
+        self.branch = Some(branch.into());
+        self
+    }
+
+    /// Only one saga's effects.
+    #[must_use]
+    pub fn saga(mut self, saga_id: impl Into<String>) -> Self {
+        self.saga_id = Some(saga_id.into());
+        self
+    }
+}
+
+/// One call of a tool, as sent to Begin: the domain form of `BeginRequest`.
+///
+/// ```
+/// use fence_client::{EffectCall, step_key};
+///
+/// let call = EffectCall::new("order-1234", "payments.charge", r#"{"amount":4200,"to":"acme"}"#)
+///     .step_key(step_key("order-1234", "pay"))
+///     .lease_ms(30_000);
+/// assert_eq!(call.step_key.as_deref(), Some("order-1234:pay"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EffectCall {
+    /// The run.
+    pub run_id: String,
+    /// The branch; `None` = "main".
+    pub branch: Option<String>,
+    /// The caller's epoch; 0 is accepted only while the run was never restored.
+    pub epoch: u64,
+    /// The tool's name.
+    pub tool: String,
+    /// The arguments: one JSON value.
+    pub arguments_json: String,
+    /// The caller's idempotency key for this step. Needed for the client to retry a Begin
+    /// through a transport failure, and to re-begin after a failure before input.
+    pub step_key: Option<String>,
+    /// "An identical intent is already recorded, and I mean to do it again."
+    pub deliberate_repeat: bool,
+    /// Credentials the call spends.
+    pub credentials: Vec<CredentialUse>,
+    /// Lease for this grant in ms; 0 = the tool's default, else the server's.
+    pub lease_ms: u64,
+    /// For a `SAFE_RETRY` tool: record the call for audit.
+    pub record: bool,
+    /// The saga this forward step belongs to.
+    pub saga_id: Option<String>,
+    /// How to undo this step (for the saga executor).
+    pub compensation: Option<Compensation>,
+    /// When this call is a compensation: the effect it undoes.
+    pub compensates_effect_id: Option<String>,
+}
+
+impl EffectCall {
+    /// A call of `tool` with `arguments_json` on `run_id`'s main branch at epoch 0.
+    pub fn new(
+        run_id: impl Into<String>,
+        tool: impl Into<String>,
+        arguments_json: impl Into<String>,
+    ) -> Self {
+        EffectCall {
+            run_id: run_id.into(),
+            tool: tool.into(),
+            arguments_json: arguments_json.into(),
+            ..EffectCall::default()
+        }
+    }
+
+    /// Sets the branch.
+    #[must_use]
+    pub fn branch(mut self, branch: impl Into<String>) -> Self {
+        self.branch = Some(branch.into());
+        self
+    }
+
+    /// Sets the epoch.
+    #[must_use]
+    pub fn epoch(mut self, epoch: u64) -> Self {
+        self.epoch = epoch;
+        self
+    }
+
+    /// Sets the step key (see [`crate::step_key`]).
+    #[must_use]
+    pub fn step_key(mut self, step_key: impl Into<String>) -> Self {
+        self.step_key = Some(step_key.into());
+        self
+    }
+
+    /// Marks the call as a deliberate repeat of an identical recorded intent.
+    #[must_use]
+    pub fn deliberate_repeat(mut self) -> Self {
+        self.deliberate_repeat = true;
+        self
+    }
+
+    /// Presents a credential (one use is spent, atomically with the effect's record).
+    #[must_use]
+    pub fn credential(mut self, token: impl Into<Vec<u8>>, budget: u32) -> Self {
+        self.credentials.push(CredentialUse {
+            token: token.into(),
+            budget,
+        });
+        self
+    }
+
+    /// Sets the lease of this grant, in ms.
+    #[must_use]
+    pub fn lease_ms(mut self, ms: u64) -> Self {
+        self.lease_ms = ms;
+        self
+    }
+
+    /// Records a `SAFE_RETRY` call for audit.
+    #[must_use]
+    pub fn record(mut self) -> Self {
+        self.record = true;
+        self
+    }
+
+    /// Makes the call a forward step of a saga.
+    #[must_use]
+    pub fn saga(mut self, saga_id: impl Into<String>) -> Self {
+        self.saga_id = Some(saga_id.into());
+        self
+    }
+
+    /// Declares the call that undoes this one.
+    #[must_use]
+    pub fn compensation(mut self, compensation: Compensation) -> Self {
+        self.compensation = Some(compensation);
+        self
+    }
+
+    /// Makes the call the compensation of `effect_id`: completing it marks that effect
+    /// `COMPENSATED` in the same atomic write.
+    #[must_use]
+    pub fn compensates(mut self, effect_id: impl Into<String>) -> Self {
+        self.compensates_effect_id = Some(effect_id.into());
+        self
+    }
+}
+
+impl From<&EffectCall> for pb::BeginRequest {
+    fn from(c: &EffectCall) -> Self {
+        pb::BeginRequest {
+            run_id: c.run_id.clone(),
+            branch: c.branch.clone().unwrap_or_default(),
+            epoch: c.epoch,
+            tool: c.tool.clone(),
+            arguments_json: c.arguments_json.clone(),
+            step_key: c.step_key.clone().unwrap_or_default(),
+            deliberate_repeat: c.deliberate_repeat,
+            credentials: c
+                .credentials
+                .iter()
+                .map(|u| pb::CredentialUse {
+                    token: u.token.clone(),
+                    budget: u.budget,
+                })
+                .collect(),
+            lease_ms: c.lease_ms,
+            record: c.record,
+            saga_id: c.saga_id.clone().unwrap_or_default(),
+            compensation: c.compensation.clone().map(Into::into),
+            compensates_effect_id: c.compensates_effect_id.clone().unwrap_or_default(),
+        }
+    }
+}
+
+impl FenceClient {
+    /// Connects to the server at `url` with default settings.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), fence_client::Error> {
+    /// let client = fence_client::FenceClient::connect("http://127.0.0.1:50051").await?;
+    /// # let _ = client; Ok(()) }
+    /// ```
+    pub async fn connect(url: impl Into<String>) -> Result<FenceClient, Error> {
+        FenceClientBuilder::new(url).connect().await
+    }
+
+    /// A builder for a client of the server at `url`.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), fence_client::Error> {
+    /// let client = fence_client::FenceClient::builder("http://127.0.0.1:50051")
+    ///     .tenant("acme")
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = client; Ok(()) }
+    /// ```
+    pub fn builder(url: impl Into<String>) -> FenceClientBuilder {
+        FenceClientBuilder::new(url)
+    }
+
+    /// The retry policy of the protocol helpers.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// Sends one unary RPC with the client's metadata and timeout.
+    async fn unary<Req, Resp, Fut>(
+        &self,
+        message: Req,
+        call: impl FnOnce(Stub, tonic::Request<Req>) -> Fut,
+    ) -> Result<Resp, Error>
+    where
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let mut request = tonic::Request::new(message);
+        if let Some(value) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        if let Some(value) = &self.tenant {
+            request
+                .metadata_mut()
+                .insert(TENANT_METADATA, value.clone());
+        }
+        let response = match self.request_timeout {
+            Some(timeout) => {
+                request.set_timeout(timeout);
+                match tokio::time::timeout(timeout, call(self.stub.clone(), request)).await {
+                    Ok(response) => response,
+                    Err(_) => {
+                        return Err(Error::Rpc {
+                            code: tonic::Code::DeadlineExceeded,
+                            message: format!("no answer within {timeout:?}"),
+                            field_violations: Vec::new(),
+                        });
+                    }
+                }
+            }
+            None => call(self.stub.clone(), request).await,
+        };
+        Ok(response?.into_inner())
+    }
+
+    /// Registers (or re-registers) a tool. An identical definition returns the current version
+    /// with `created == false`.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::{OperationClass, ToolDef};
+    ///
+    /// let tool = ToolDef::new("payments.charge", OperationClass::NonRetryable)
+    ///     .volatile(["request_id"]);
+    /// let stored = client.register_tool(tool).await?;
+    /// println!("version {}", stored.value.version);
+    /// # Ok(()) }
+    /// ```
+    pub async fn register_tool(&self, tool: ToolDef) -> Result<Stored<RegisteredTool>, Error> {
+        let request = pb::RegisterToolRequest {
+            tool: Some(tool.into()),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.register_tool(r).await })
+            .await?;
+        Ok(Stored {
+            value: required(response.tool, "tool")?.try_into()?,
+            created: response.created,
+        })
+    }
+
+    /// Returns a tool's current definition (or the given version).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let tool = client.get_tool("payments.charge", None).await?;
+    /// println!("{} is {}", tool.def.name, tool.def.class);
+    /// # Ok(()) }
+    /// ```
+    pub async fn get_tool(
+        &self,
+        name: &str,
+        version: Option<u32>,
+    ) -> Result<RegisteredTool, Error> {
+        let request = pb::GetToolRequest {
+            name: name.to_owned(),
+            version: version.unwrap_or(0),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.get_tool(r).await })
+            .await?;
+        required(response.tool, "tool")?.try_into()
+    }
+
+    /// Creates a run if it does not exist (idempotent). See also [`crate::RunHandle::start`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let run = client.start_run("order-1234").await?;
+    /// assert!(run.value.epoch >= 1);
+    /// # Ok(()) }
+    /// ```
+    pub async fn start_run(&self, run_id: &str) -> Result<Stored<RunInfo>, Error> {
+        let request = pb::StartRunRequest {
+            run_id: run_id.to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.start_run(r).await })
+            .await?;
+        Ok(Stored {
+            value: required(response.run, "run")?.into(),
+            created: response.created,
+        })
+    }
+
+    /// Returns a run's epoch, branches, checkpoints and restore history.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let run = client.get_run("order-1234").await?;
+    /// println!("epoch {}, {} effects", run.epoch, run.effect_count);
+    /// # Ok(()) }
+    /// ```
+    pub async fn get_run(&self, run_id: &str) -> Result<RunInfo, Error> {
+        let request = pb::GetRunRequest {
+            run_id: run_id.to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.get_run(r).await })
+            .await?;
+        Ok(required(response.run, "run")?.into())
+    }
+
+    /// Records a named checkpoint (the framework's own checkpoint id) at the current end of a
+    /// branch's log. Repeating it returns the existing checkpoint.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let cp = client.checkpoint("order-1234", "main", 1, "langgraph-cp-0007").await?;
+    /// println!("checkpoint at position {}", cp.value.position);
+    /// # Ok(()) }
+    /// ```
+    pub async fn checkpoint(
+        &self,
+        run_id: &str,
+        branch: &str,
+        epoch: u64,
+        checkpoint_id: &str,
+    ) -> Result<Stored<CheckpointInfo>, Error> {
+        let request = pb::CheckpointRequest {
+            run_id: run_id.to_owned(),
+            branch: branch.to_owned(),
+            epoch,
+            checkpoint_id: checkpoint_id.to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.checkpoint(r).await })
+            .await?;
+        Ok(Stored {
+            value: required(response.checkpoint, "checkpoint")?.into(),
+            created: response.created,
+        })
+    }
+
+    /// Rewinds the checkpoint's branch: a new epoch (fencing every older caller) and a replay
+    /// tape. With `expected_epoch`, the restore happens only if the run is at that epoch.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let restored = client.restore("order-1234", "langgraph-cp-0007", Some(1)).await?;
+    /// println!("epoch {} with {} effects to replay", restored.epoch, restored.tape.len());
+    /// # Ok(()) }
+    /// ```
+    pub async fn restore(
+        &self,
+        run_id: &str,
+        checkpoint_id: &str,
+        expected_epoch: Option<u64>,
+    ) -> Result<Restored, Error> {
+        let request = pb::RestoreRequest {
+            run_id: run_id.to_owned(),
+            checkpoint_id: checkpoint_id.to_owned(),
+            expected_epoch: expected_epoch.unwrap_or(0),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.restore(r).await })
+            .await?;
+        response.try_into()
+    }
+
+    /// Creates a branch starting at a checkpoint (`new_branch: None` lets the server name it).
+    /// Nothing recorded on the parent is undone.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let branch = client
+    ///     .fork("order-1234", "langgraph-cp-0007", 2, Some("pay-carol"), "user changed payee")
+    ///     .await?;
+    /// println!("continue on {}", branch.name);
+    /// # Ok(()) }
+    /// ```
+    pub async fn fork(
+        &self,
+        run_id: &str,
+        checkpoint_id: &str,
+        epoch: u64,
+        new_branch: Option<&str>,
+        reason: &str,
+    ) -> Result<BranchInfo, Error> {
+        let request = pb::ForkRequest {
+            run_id: run_id.to_owned(),
+            checkpoint_id: checkpoint_id.to_owned(),
+            epoch,
+            new_branch: new_branch.unwrap_or_default().to_owned(),
+            reason: reason.to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.fork(r).await })
+            .await?;
+        Ok(required(response.branch, "branch")?.into())
+    }
+
+    /// Asks to perform one call: the raw decision. Most callers want
+    /// [`FenceClient::run_effect`], which does the whole protocol.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::{Decision, EffectCall};
+    ///
+    /// let call = EffectCall::new("order-1234", "payments.charge", r#"{"amount":4200}"#)
+    ///     .step_key("order-1234:pay");
+    /// match client.begin(&call).await?.decision {
+    ///     Decision::Execute(grant) => println!("run it with key {}", grant.downstream_key),
+    ///     Decision::Replay(receipt) => println!("already done: {:?}", receipt.result),
+    ///     Decision::InProgress { .. } => println!("someone else is running it"),
+    ///     Decision::Refused(refusal) => println!("refused: {refusal}"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn begin(&self, call: &EffectCall) -> Result<BeginOutcome, Error> {
+        let request = pb::BeginRequest::from(call);
+        let response = self
+            .unary(request, |mut s, r| async move { s.begin(r).await })
+            .await?;
+        response.try_into()
+    }
+
+    /// Extends a granted effect's lease (`extend_ms` 0 = the grant's lease length).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let receipt = client.heartbeat("effect-id", 1, 1, 0).await?;
+    /// println!("lease until {}", receipt.lease_expires_at_ms);
+    /// # Ok(()) }
+    /// ```
+    pub async fn heartbeat(
+        &self,
+        effect_id: &str,
+        attempt: u32,
+        epoch: u64,
+        extend_ms: u64,
+    ) -> Result<Receipt, Error> {
+        let request = pb::HeartbeatRequest {
+            effect_id: effect_id.to_owned(),
+            attempt,
+            epoch,
+            extend_ms,
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.heartbeat(r).await })
+            .await?;
+        receipt_req(response.receipt, "receipt")
+    }
+
+    /// Records a granted effect's outcome. An identical repeat is accepted.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::Completion;
+    ///
+    /// let receipt = client
+    ///     .complete("effect-id", 1, 1, Completion::Result(br#"{"charge":"ch_1"}"#.to_vec()))
+    ///     .await?;
+    /// println!("{}", receipt.state);
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete(
+        &self,
+        effect_id: &str,
+        attempt: u32,
+        epoch: u64,
+        completion: Completion,
+    ) -> Result<Receipt, Error> {
+        let request = pb::CompleteRequest {
+            effect_id: effect_id.to_owned(),
+            attempt,
+            epoch,
+            outcome: Some(completion.into()),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.complete(r).await })
+            .await?;
+        receipt_req(response.receipt, "receipt")
+    }
+
+    /// Settles an effect whose outcome is unknown, with evidence from an outcome check.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::Finding;
+    ///
+    /// let receipt = client
+    ///     .reconcile("effect-id", 1, "bank API: no charge with key dk-1", Finding::FailedBeforeInput(
+    ///         "no charge found".into(),
+    ///     ))
+    ///     .await?;
+    /// println!("{}", receipt.state);
+    /// # Ok(()) }
+    /// ```
+    pub async fn reconcile(
+        &self,
+        effect_id: &str,
+        epoch: u64,
+        evidence: &str,
+        finding: Finding,
+    ) -> Result<Receipt, Error> {
+        let request = pb::ReconcileRequest {
+            effect_id: effect_id.to_owned(),
+            epoch,
+            evidence: evidence.to_owned(),
+            outcome: Some(finding.into()),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.reconcile(r).await })
+            .await?;
+        receipt_req(response.receipt, "receipt")
+    }
+
+    /// Answers "what happened?" for an effect id, a step key or an intent.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::OutcomeKey;
+    ///
+    /// let outcome = client
+    ///     .query_outcome(OutcomeKey::StepKey {
+    ///         run_id: "order-1234".into(),
+    ///         branch: None,
+    ///         step_key: "order-1234:pay".into(),
+    ///     })
+    ///     .await?;
+    /// println!("{}", outcome.state);
+    /// # Ok(()) }
+    /// ```
+    pub async fn query_outcome(&self, key: OutcomeKey) -> Result<Outcome, Error> {
+        let request = pb::QueryOutcomeRequest {
+            key: Some(key.into()),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.query_outcome(r).await })
+            .await?;
+        response.try_into()
+    }
+
+    /// One page of a run's effects (`page_size` 0 = the server default). Returns the effects
+    /// and the next page's token (`None` at the end).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::EffectFilter;
+    ///
+    /// let (page, next) = client.list_effects_page(&EffectFilter::run("order-1234"), None, 50).await?;
+    /// println!("{} effects, more: {}", page.len(), next.is_some());
+    /// # Ok(()) }
+    /// ```
+    pub async fn list_effects_page(
+        &self,
+        filter: &EffectFilter,
+        page_token: Option<&str>,
+        page_size: u32,
+    ) -> Result<(Vec<Receipt>, Option<String>), Error> {
+        let request = pb::ListEffectsRequest {
+            run_id: filter.run_id.clone(),
+            branch: filter.branch.clone().unwrap_or_default(),
+            saga_id: filter.saga_id.clone().unwrap_or_default(),
+            page_size,
+            page_token: page_token.unwrap_or_default().to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.list_effects(r).await })
+            .await?;
+        let effects = response
+            .effects
+            .into_iter()
+            .map(Receipt::try_from)
+            .collect::<Result<_, _>>()?;
+        Ok((effects, crate::types::non_empty(response.next_page_token)))
+    }
+
+    /// Every effect matching the filter, in recording order (all pages).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::EffectFilter;
+    ///
+    /// for receipt in client.list_effects(&EffectFilter::run("order-1234")).await? {
+    ///     println!("{} {} {}", receipt.position, receipt.tool, receipt.state);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn list_effects(&self, filter: &EffectFilter) -> Result<Vec<Receipt>, Error> {
+        let mut all = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let (page, next) = self.list_effects_page(filter, token.as_deref(), 0).await?;
+            all.extend(page);
+            match next {
+                Some(next) if Some(&next) != token.as_ref() => token = Some(next),
+                Some(_) => {
+                    return Err(Error::protocol(
+                        "ListEffects returned the same page token twice",
+                    ));
+                }
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// Registers a one-time (or n-time) credential. An existing one is returned unchanged.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::NewCredential;
+    ///
+    /// let stored = client
+    ///     .register_credential(&NewCredential::new(b"approval-7f3a".to_vec()).bound_to_tool("payments.charge"))
+    ///     .await?;
+    /// println!("{} uses left", stored.value.budget - stored.value.uses);
+    /// # Ok(()) }
+    /// ```
+    pub async fn register_credential(
+        &self,
+        credential: &NewCredential,
+    ) -> Result<Stored<CredentialInfo>, Error> {
+        let request = pb::RegisterCredentialRequest {
+            token: credential.token.clone(),
+            budget: credential.budget,
+            bound_tool: credential.bound_tool.clone().unwrap_or_default(),
+            bound_arguments_json: credential.bound_arguments_json.clone().unwrap_or_default(),
+        };
+        let response = self
+            .unary(
+                request,
+                |mut s, r| async move { s.register_credential(r).await },
+            )
+            .await?;
+        Ok(Stored {
+            value: required(response.credential, "credential")?.into(),
+            created: response.created,
+        })
+    }
+
+    /// Returns a credential's use state (looked up by its raw value, which is not stored).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let info = client.get_credential(b"approval-7f3a").await?;
+    /// println!("spent by {:?}", info.spent_by_effect_ids);
+    /// # Ok(()) }
+    /// ```
+    pub async fn get_credential(&self, token: &[u8]) -> Result<CredentialInfo, Error> {
+        let request = pb::GetCredentialRequest {
+            token: token.to_vec(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.get_credential(r).await })
+            .await?;
+        Ok(required(response.credential, "credential")?.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_maps_onto_the_begin_request_field_by_field() {
+        let call = EffectCall::new("r1", "t", "{}")
+            .branch("b")
+            .epoch(3)
+            .step_key("r1:s")
+            .deliberate_repeat()
+            .credential(b"tok".to_vec(), 2)
+            .lease_ms(500)
+            .record()
+            .saga("s1")
+            .compensation(Compensation::new("undo", "{\"x\":1}"))
+            .compensates("e0");
+        let request = pb::BeginRequest::from(&call);
+        assert_eq!(request.run_id, "r1");
+        assert_eq!(request.branch, "b");
+        assert_eq!(request.epoch, 3);
+        assert_eq!(request.step_key, "r1:s");
+        assert!(request.deliberate_repeat && request.record);
+        assert_eq!(request.credentials[0].token, b"tok");
+        assert_eq!(request.credentials[0].budget, 2);
+        assert_eq!(request.lease_ms, 500);
+        assert_eq!(request.saga_id, "s1");
+        assert_eq!(request.compensation.unwrap().tool, "undo");
+        assert_eq!(request.compensates_effect_id, "e0");
+        let plain = pb::BeginRequest::from(&EffectCall::new("r1", "t", "{}"));
+        assert_eq!(plain.branch, "");
+        assert_eq!(plain.step_key, "");
+        assert!(plain.compensation.is_none());
+    }
+
+    #[tokio::test]
+    async fn invalid_configuration_is_refused_before_connecting() {
+        assert!(matches!(
+            FenceClient::builder("not a url").connect_lazy(),
+            Err(Error::Config(_))
+        ));
+        assert!(matches!(
+            FenceClient::builder("http://127.0.0.1:1")
+                .bearer_token("line\nbreak")
+                .connect_lazy(),
+            Err(Error::Config(_))
+        ));
+        let client = FenceClient::builder("http://127.0.0.1:1")
+            .bearer_token("s3cr3t")
+            .connect_lazy()
+            .unwrap();
+        assert!(!format!("{client:?}").contains("s3cr3t"));
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_server_is_a_transient_error() {
+        // Port 1 on localhost is closed: the lazy channel fails on the first call.
+        let client = FenceClient::builder("http://127.0.0.1:1")
+            .connect_lazy()
+            .unwrap();
+        let err = client.get_run("r").await.unwrap_err();
+        assert!(err.is_transient(), "{err:?}");
+    }
+}
