@@ -63,7 +63,7 @@ def test_async_client_grant_replay_mismatch_and_errors(server: Any, tenant: str,
             assert err.value.recovery != RecoveryAction.RECOVERY_ACTION_UNSPECIFIED
 
             with pytest.raises(FenceRefused) as nf:
-                await client.heartbeat("no-such-effect", 1, 1)
+                await client.heartbeat("e" + "0" * 32 + f"{999:016x}", 1, 1)
             assert nf.value.reason == ReasonCode.UNKNOWN_RECORD
             assert nf.value.code == grpc.StatusCode.NOT_FOUND
 
@@ -102,10 +102,11 @@ def test_async_decorator_execute_replay_and_refusals(server: Any, tenant: str, r
 
             await client.restore(run, "cp")
             assert run.epoch == 2
-            assert await transfer(**args(), fence_run=run, fence_step="pay") == {"tx": "T1"}
             with pytest.raises(FenceRefused) as fork_required:
                 await transfer(**args(to="carol"), fence_run=run)
             assert fork_required.value.reason == ReasonCode.FORK_REQUIRED
+            assert fork_required.value.recovery == RecoveryAction.FORK
+            assert await transfer(**args(), fence_run=run, fence_step="pay") == {"tx": "T1"}
             await client.fork(run, fork_required.value.checkpoint_id)
             assert await transfer(**args(to="carol"), fence_run=run) == {"tx": "T2"}
             assert [s[0] for s in sent] == ["bob", "carol"]

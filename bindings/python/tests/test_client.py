@@ -279,10 +279,17 @@ def test_result_conflict_is_a_structured_refusal(client: fence.Client, run_id: s
 
 def test_unknown_effect_is_not_found_with_reason(client: fence.Client) -> None:
     with pytest.raises(FenceRefused) as err:
-        client.complete("no-such-effect", 1, 1, result=b"{}")
+        client.complete("e" + "0" * 32 + f"{999:016x}", 1, 1, result=b"{}")
     assert err.value.code == grpc.StatusCode.NOT_FOUND
     assert err.value.reason == ReasonCode.UNKNOWN_RECORD
     assert err.value.recovery != RecoveryAction.RECOVERY_ACTION_UNSPECIFIED
+
+
+def test_malformed_effect_id_is_invalid_argument_naming_the_field(client: fence.Client) -> None:
+    with pytest.raises(FenceRpcError) as err:
+        client.complete("no-such-effect", 1, 1, result=b"{}")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in err.value.field_violations] == ["effect_id"]
 
 
 def test_restore_unknown_checkpoint_is_refused(client: fence.Client, run_id: str) -> None:

@@ -60,6 +60,7 @@ from .types import (
     Execute,
     InProgress,
     OperationClass,
+    ReasonCode,
     Receipt,
     Refusal,
     Replay,
@@ -343,6 +344,10 @@ def _check_after_lost_begin(
             if backoff.expired():
                 raise lost from None
             yield _Sleep(backoff.next())
+        except FenceRefused as refused:
+            if refused.reason == ReasonCode.UNKNOWN_RECORD:
+                return  # the run itself does not exist: the lost Begin did not land
+            raise
     if outcome.state == EffectState.NOT_FOUND or outcome.receipt is None:
         return  # nothing recorded: the lost Begin did not land
     if c.step_key or not c.deliberate_repeat:
