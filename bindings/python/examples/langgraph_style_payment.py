@@ -16,7 +16,9 @@ What happens (each phase is a separate OS process, so the crash is real):
    matches it against the replay tape (the tool declares ``reference`` and ``requested_at``
    volatile) and answers REPLAY: the recorded result comes back and the bank is not called.
 3. The parent checks the bank's ledger (a file: the outside world survives the crash) and
-   exits non-zero if the payment happened twice.
+   exits non-zero if the payment happened twice. (The bank also logs every request it gets:
+   with Fence it gets exactly one, since the replay never reaches it. Even if it did, the
+   request would carry the same downstream key, which the bank deduplicates.)
 
 ``--no-fence`` runs the same agent with the tool calling the bank directly (passing the
 model's fresh reference as the idempotency key, as frameworks do): it pays twice and exits 1.
@@ -53,11 +55,14 @@ class BankApi:
 
     def __init__(self, ledger: Path) -> None:
         self.ledger = ledger
+        self.request_log = ledger.with_name(ledger.stem + "-requests.log")
 
     def _load(self) -> list[dict[str, Any]]:
         return json.loads(self.ledger.read_text()) if self.ledger.exists() else []
 
     def transfer(self, to: str, amount: int, currency: str, idempotency_key: str) -> dict[str, Any]:
+        with self.request_log.open("a") as log:  # every request that reached the bank
+            log.write(json.dumps({"to": to, "amount": amount, "idempotency_key": idempotency_key}) + "\n")
         entries = self._load()
         for entry in entries:
             if entry["idempotency_key"] == idempotency_key:
@@ -75,6 +80,9 @@ class BankApi:
 
     def payments(self) -> list[dict[str, Any]]:
         return self._load()
+
+    def requests(self) -> int:
+        return len(self.request_log.read_text().splitlines()) if self.request_log.exists() else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +209,14 @@ def agent_process(phase: str, workdir: Path, use_fence: bool) -> int:
         sys.stdout.flush()
         os._exit(CRASH_EXIT_CODE)
 
+    if client is not None:
+        step_key = f"{run.run_id}:turn-{state['turn']}/tools/0"
+        receipt = client.query_outcome(run=run, step_key=step_key).receipt
+        print(
+            f"[resume] Fence receipt {receipt.effect_id}: {receipt.state.name}, "
+            f"replayed {receipt.replays} time(s), bank API requests so far: {bank.requests()}"
+        )
+
     state["turn"] += 1
     checkpointer.put(f"turn-{state['turn']}", state)
     if client is not None:
@@ -241,14 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the resumed process failed ({resume.returncode})")
         return 2
 
-    payments = BankApi(workdir / "bank-ledger.json").payments()
-    print(f"bank ledger: {len(payments)} payment(s): {json.dumps(payments)}")
+    bank = BankApi(workdir / "bank-ledger.json")
+    payments = bank.payments()
+    print(f"bank ledger: {len(payments)} payment(s) from {bank.requests()} request(s): {json.dumps(payments)}")
     if len(payments) > 1:
         print("FAIL: the payment happened twice")
         return 1
     if len(payments) == 0:
         print("FAIL: the payment never happened")
         return 2
+    if use_fence and bank.requests() != 1:
+        print("FAIL: the regenerated call reached the bank again (Fence did not replay it)")
+        return 1
     print("OK: paid exactly once; the restored agent's regenerated call was replayed by Fence")
     return 0
 

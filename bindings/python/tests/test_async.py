@@ -153,3 +153,25 @@ def test_async_in_progress_and_failure_paths(server: Any, tenant: str, run_id: s
             assert err.value.reason == ReasonCode.RECONCILE_REQUIRED
 
     asyncio.run(scenario())
+
+
+def test_async_heartbeat_keeps_a_long_call_alive(server: Any, tenant: str, run_id: str) -> None:
+    import time
+
+    async def scenario() -> list[EffectState]:
+        seen: list[EffectState] = []
+        async with AsyncClient(server.addr, tenant=tenant, timeout=20) as client:
+
+            @fenced(client, tool="report.build", wait=FAST)
+            async def build(n: int) -> int:
+                ex = fence.current_execution()
+                assert ex is not None
+                while time.time() * 1000 < ex.lease_expires_at_ms + 400:
+                    await asyncio.sleep(0.05)
+                seen.append((await client.query_outcome(effect_id=ex.effect_id)).state)
+                return n
+
+            assert await build(5, fence_run=Run(run_id), fence_step="b", fence_lease_ms=600) == 5
+        return seen
+
+    assert asyncio.run(scenario()) == [EffectState.RUNNING]

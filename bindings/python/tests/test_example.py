@@ -32,6 +32,10 @@ def test_example_pays_once_with_fence(server: Any, tenant: str, tmp_path: Path) 
     # The first process really crashed after paying, and the resumed one restored in Fence.
     assert "[first] crashing" in proc.stdout
     assert "[resume] restored turn-1: epoch 2, 1 recorded effect(s)" in proc.stdout
+    # Replayed by Fence: the bank got exactly one request, the receipt counts the replay.
+    requests = (tmp_path / "bank-ledger-requests.log").read_text().splitlines()
+    assert len(requests) == 1
+    assert "COMPLETED, replayed 1 time(s), bank API requests so far: 1" in proc.stdout
 
 
 def test_example_without_fence_pays_twice_and_fails(server: Any, tenant: str, tmp_path: Path) -> None:
@@ -39,3 +43,4 @@ def test_example_without_fence_pays_twice_and_fails(server: Any, tenant: str, tm
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL: the payment happened twice" in proc.stdout
     assert len(json.loads((tmp_path / "bank-ledger.json").read_text())) == 2
+    assert len((tmp_path / "bank-ledger-requests.log").read_text().splitlines()) == 2

@@ -395,3 +395,25 @@ def test_reserved_and_mismatched_usage_is_rejected(client: fence.Client) -> None
 
     with pytest.raises(TypeError):
         no_run()
+
+
+@pytest.mark.parametrize("heartbeat", [True, False])
+def test_heartbeat_keeps_a_long_call_alive(client: fence.Client, run_id: str, heartbeat: bool) -> None:
+    import time
+
+    seen: list[EffectState] = []
+
+    @fenced(client, tool="report.build", heartbeat=heartbeat, wait=FAST)
+    def build(n: int) -> int:
+        ex = fence.current_execution()
+        assert ex is not None
+        # Work for longer than the grant's lease (same machine, so the clocks agree).
+        while time.time() * 1000 < ex.lease_expires_at_ms + 400:
+            time.sleep(0.05)
+        seen.append(client.query_outcome(effect_id=ex.effect_id).state)
+        return n
+
+    run = Run(run_id)
+    assert build(3, fence_run=run, fence_step="build", fence_lease_ms=600) == 3
+    # Heartbeats extended the lease (RUNNING); without them it lapsed (reads EFFECT_UNKNOWN).
+    assert seen == [EffectState.RUNNING if heartbeat else EffectState.EFFECT_UNKNOWN]
