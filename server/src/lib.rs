@@ -1,1 +1,23 @@
+//! Fence server: a durable effect ledger for AI agents' tool calls, served over gRPC.
+//!
+//! Where things live:
+//! - [`canonical`]: canonical intent and fingerprints (what "the same call" means);
+//! - [`store`]: the storage seam and its RocksDB implementation (keys, value codec);
+//! - [`ledger`]: the state machine (plain Rust): classes, states, leases, the replay-or-fork
+//!   decision, checkpoints/restores/forks, credentials, retention;
+//! - [`service`], [`convert`], [`status`]: the thin gRPC layer and the one error mapping;
+//! - [`auth`], [`config`], [`server`]: tenants and tokens, settings, wiring and shutdown.
 
+pub mod auth;
+pub mod canonical;
+pub mod clock;
+pub mod config;
+pub mod convert;
+pub mod ledger;
+pub mod server;
+pub mod service;
+pub mod status;
+pub mod store;
+
+pub use config::Config;
+pub use server::{ServeError, serve, serve_ledger};

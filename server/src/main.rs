@@ -1,1 +1,64 @@
-fn main() {}
+//! `fenced`: parse the configuration, set up logging, bind, print the bound address, serve
+//! until SIGTERM or SIGINT, then drain and exit.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::Parser;
+use fence_server::Config;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // `fenced hash-token <token>` prints the line-format hash for a tokens file.
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("hash-token") {
+        let token = args.get(2).context("usage: fenced hash-token <token>")?;
+        println!("{}", fence_server::auth::Auth::hash_token(token));
+        return Ok(());
+    }
+    let config = Config::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    // The one stdout line: scripts and tests read the bound address from it.
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "fenced listening on {addr}")?;
+    out.flush()?;
+    drop(out);
+    tracing::info!(%addr, data_dir = %config.data_dir.display(), "fenced starting");
+
+    fence_server::serve(listener, config, shutdown_signal()).await?;
+    tracing::info!("fenced stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutdown requested; draining in-flight calls");
+}

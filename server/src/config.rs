@@ -1,0 +1,75 @@
+//! Configuration: flags, each with an environment variable, and defaults that run a working
+//! single-node service out of the box (data in `./fence-data`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// `fenced` settings.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "fenced",
+    version,
+    about = "Fence: make AI agents' side effects happen exactly once"
+)]
+pub struct Config {
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, env = "FENCE_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+
+    /// Directory of the RocksDB ledger (created if missing).
+    #[arg(long, env = "FENCE_DATA_DIR", default_value = "fence-data")]
+    pub data_dir: PathBuf,
+
+    /// Default lease of a grant, in milliseconds.
+    #[arg(long, env = "FENCE_LEASE_MS", default_value_t = 30_000)]
+    pub lease_ms: u64,
+
+    /// Longest lease a call may ask for, in milliseconds.
+    #[arg(long, env = "FENCE_MAX_LEASE_MS", default_value_t = 86_400_000)]
+    pub max_lease_ms: u64,
+
+    /// Default retention of finished effects before they become tombstones, in milliseconds.
+    #[arg(long, env = "FENCE_RETENTION_MS", default_value_t = 604_800_000)]
+    pub retention_ms: u64,
+
+    /// How often the retention sweep runs, in milliseconds.
+    #[arg(long, env = "FENCE_SWEEP_INTERVAL_MS", default_value_t = 60_000)]
+    pub sweep_interval_ms: u64,
+
+    /// File holding the 32-byte secret that keys credential hashes. Default:
+    /// `<data-dir>/credential.key`, generated on first start.
+    #[arg(long, env = "FENCE_CREDENTIAL_KEY_FILE")]
+    pub credential_key_file: Option<PathBuf>,
+
+    /// Bearer tokens file (`<tenant> <blake3-hex-of-token> [revoked]` per line). Without it the
+    /// server runs in dev mode: no authentication, tenant from `x-fence-tenant`.
+    #[arg(long, env = "FENCE_AUTH_TOKENS_FILE")]
+    pub auth_tokens_file: Option<PathBuf>,
+
+    /// Maximum bytes of a call's JSON arguments.
+    #[arg(long, env = "FENCE_MAX_ARGUMENTS_BYTES", default_value_t = 1 << 20)]
+    pub max_arguments_bytes: usize,
+
+    /// Maximum bytes of a result.
+    #[arg(long, env = "FENCE_MAX_RESULT_BYTES", default_value_t = 4 << 20)]
+    pub max_result_bytes: usize,
+
+    /// Maximum effects recorded in one run.
+    #[arg(long, env = "FENCE_MAX_EFFECTS_PER_RUN", default_value_t = 1_000_000)]
+    pub max_effects_per_run: u64,
+
+    /// RocksDB block cache, in MiB.
+    #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
+    pub block_cache_mb: usize,
+}
+
+impl Config {
+    /// The settings with every default, for `data_dir` (tests and embedding).
+    pub fn with_data_dir(data_dir: impl Into<PathBuf>) -> Self {
+        let mut c = Self::parse_from(["fenced"]);
+        c.data_dir = data_dir.into();
+        c
+    }
+}

@@ -1,0 +1,787 @@
+//! Begin: the replay-or-fork decision.
+//!
+//! A call is matched, in this order:
+//! 1. against the branch's pending replay tape (after a restore): by step key, else by intent
+//!    fingerprint, the n-th identical intent matching the n-th recorded one;
+//! 2. against the branch lineage (the branch and its ancestors up to each fork point): a known
+//!    step key with the same intent is the same effect, with another intent ARGUMENT_MISMATCH;
+//!    without a step key an identical recorded intent is a suspected duplicate (DEDUPLICATE
+//!    tools replay it);
+//! 3. while a tape is pending, a call that matched nothing is divergent: FORK_REQUIRED.
+//!
+//! A matched effect is answered from its state (replay, in progress, re-grant, reconcile).
+//! Anything that would record a new effect, or refuse as duplicate or divergent, first passes
+//! the credential gate: a spent credential refuses, unless the call is the exact replay of the
+//! effect that spent it. The new effect, its indexes, the run and the credentials' uses are one
+//! atomic batch.
+
+use serde_json::Value;
+
+use super::records::{
+    BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, RunRecord,
+};
+use super::tools::Tool;
+use super::{
+    BeginCmd, Decision, EffectId, Ledger, LedgerError, MAIN_BRANCH, OpClass, Reason, Recovery,
+    Refusal, Result, State, check_epoch,
+};
+use crate::canonical::{self, Fingerprint};
+use crate::store::keys::{self, RunKey};
+use crate::store::{Batch, Store, codec};
+
+/// The answer to a Begin and the run's current epoch (0 if the run does not exist).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Begun {
+    /// The decision.
+    pub decision: Decision,
+    /// The run's current epoch.
+    pub epoch: u64,
+}
+
+/// A validated call and what the decision needs about it.
+struct Call<'a> {
+    tenant: &'a str,
+    cmd: &'a BeginCmd,
+    rk: RunKey,
+    run: RunRecord,
+    branch: u32,
+    tool: Tool,
+    /// The call's fingerprint under every tool version, oldest first (index = version).
+    fps: Vec<Fingerprint>,
+    request_fp: Fingerprint,
+    credential_hashes: Vec<[u8; 32]>,
+    compensates_seq: u64,
+    now: u64,
+}
+
+impl Call<'_> {
+    fn class(&self) -> OpClass {
+        self.tool.class()
+    }
+
+    fn fp(&self) -> &Fingerprint {
+        &self.fps[self.tool.record.version as usize]
+    }
+
+    /// The distinct fingerprints to look up, current version first.
+    fn distinct_fps(&self) -> Vec<Fingerprint> {
+        let mut out: Vec<Fingerprint> = Vec::with_capacity(self.fps.len());
+        for fp in std::iter::once(self.fp()).chain(self.fps.iter().rev()) {
+            if !out.contains(fp) {
+                out.push(*fp);
+            }
+        }
+        out
+    }
+
+    /// Is `rec` the same intent as this call, judged under the schema version `rec` was
+    /// fingerprinted with?
+    fn same_intent(&self, rec: &EffectRecord) -> bool {
+        rec.tool == self.tool.record.name
+            && self
+                .fps
+                .get(rec.tool_version as usize)
+                .is_some_and(|fp| fp[..] == rec.intent_fp[..])
+    }
+
+    fn branch(&self) -> &BranchRecord {
+        &self.run.branches[self.branch as usize]
+    }
+
+    /// Is the effect visible on this call's lineage?
+    fn visible(&self, rec: &EffectRecord) -> bool {
+        self.run
+            .lineage(self.branch)
+            .iter()
+            .any(|&(b, limit)| b == rec.branch && rec.position < limit)
+    }
+
+    fn in_tape(&self, seq: u64) -> bool {
+        self.branch().tape_seqs.contains(&seq)
+    }
+}
+
+/// How a call relates to what is recorded.
+enum Match {
+    /// The same effect.
+    Existing { rec: EffectRecord, tape: bool },
+    /// Its step key is recorded with another intent.
+    Mismatch(EffectRecord),
+    /// Its intent is recorded and it has no step key.
+    Duplicate(EffectRecord),
+    /// A tape is pending and this call is not on it.
+    Divergent(EffectRecord),
+    /// Nothing matches: a new effect, the n-th of its intent on the lineage.
+    New { occurrence: u32 },
+}
+
+/// What the credential gate found.
+enum Gate {
+    /// Every credential may be spent; the records to update.
+    Pass(Vec<CredentialRecord>),
+    /// A spent credential presented by the exact replay of the effect that spent it.
+    ExactReplay(EffectRecord),
+    /// Refused.
+    Refused(Refusal),
+}
+
+impl<S: Store> Ledger<S> {
+    /// Decides one call of a tool. See the module docs for the order of the rules.
+    pub fn begin(&self, tenant: &str, cmd: &BeginCmd) -> Result<Begun> {
+        let mut epoch = 0;
+        let decision = self.decide(tenant, cmd, &mut epoch)?;
+        Ok(Begun { decision, epoch })
+    }
+
+    fn decide(&self, tenant: &str, cmd: &BeginCmd, epoch: &mut u64) -> Result<Decision> {
+        let args = self.validate_begin(cmd)?;
+        let rk = keys::run_key(tenant, &cmd.run_id);
+        let compensates_seq = self.compensates_seq(cmd, &rk)?;
+        let credential_hashes: Vec<[u8; 32]> = cmd
+            .credentials
+            .iter()
+            .map(|c| self.credential_hash(tenant, &c.token))
+            .collect();
+
+        let _run_guard = self.runs.lock(&rk);
+        let now = self.now();
+        let run = match self.load_run(&rk, tenant, &cmd.run_id)? {
+            Some(run) => run,
+            None if cmd.epoch <= 1 && (cmd.branch.is_empty() || cmd.branch == MAIN_BRANCH) => {
+                new_run(tenant, &cmd.run_id, now)
+            }
+            None => {
+                return Ok(Refusal::new(
+                    Reason::UnknownRecord,
+                    Recovery::FixArgument,
+                    format!(
+                        "Run {:?} does not exist; start it on branch \"main\" at epoch 1.",
+                        cmd.run_id
+                    ),
+                )
+                .into());
+            }
+        };
+        *epoch = run.epoch;
+        if let Err(refusal) = check_epoch(&run, cmd.epoch) {
+            return Ok(refusal.into());
+        }
+        let Some(branch) = run.branch_index(&cmd.branch) else {
+            return Ok(Refusal::new(
+                Reason::UnknownRecord,
+                Recovery::FixArgument,
+                format!(
+                    "Branch {:?} does not exist in run {:?}.",
+                    cmd.branch, cmd.run_id
+                ),
+            )
+            .into());
+        };
+
+        let tool = self.current_tool(tenant, &cmd.tool)?;
+        let fps = self.fingerprints(tenant, &tool, &args)?;
+        let call = Call {
+            tenant,
+            cmd,
+            rk,
+            run,
+            branch,
+            request_fp: canonical::request_fingerprint(&cmd.tool, &cmd.arguments_json),
+            tool,
+            fps,
+            credential_hashes,
+            compensates_seq,
+            now,
+        };
+
+        if call.class() == OpClass::SafeRetry && !cmd.record && cmd.credentials.is_empty() {
+            // Read-only and not asked to record: nothing to write, nothing to fence.
+            let rec = self.new_effect_record(&call, 0, 1);
+            return Ok(Decision::Execute {
+                receipt: Box::new(rec),
+                recorded: false,
+            });
+        }
+
+        match self.match_call(&call)? {
+            Match::Existing { rec, tape } => self.answer_existing(call, rec, tape),
+            Match::Mismatch(rec) => {
+                let view = rec.view(now);
+                if view.tombstone {
+                    return Ok(expired(view).into());
+                }
+                Ok(Refusal::new(
+                    Reason::ArgumentMismatch,
+                    Recovery::FixArgument,
+                    format!(
+                        "Step {:?} was already recorded with different arguments; use the same arguments to get its result, or a new step key for a new step.",
+                        cmd.step_key
+                    ),
+                )
+                .with_receipt(view)
+                .into())
+            }
+            other => {
+                let cred_keys: Vec<Vec<u8>> = call
+                    .credential_hashes
+                    .iter()
+                    .map(|h| keys::credential(&keys::tenant_key(tenant), h))
+                    .collect();
+                let refs: Vec<&[u8]> = cred_keys.iter().map(Vec::as_slice).collect();
+                let _cred_guards = self.credentials.lock_many(&refs);
+                let creds = match self.credential_gate(&call)? {
+                    Gate::Pass(creds) => creds,
+                    Gate::ExactReplay(rec) => {
+                        let tape = rec.branch == call.branch && call.in_tape(rec.seq);
+                        return self.answer_existing(call, rec, tape);
+                    }
+                    Gate::Refused(refusal) => return Ok(refusal.into()),
+                };
+                match other {
+                    Match::Duplicate(rec) => {
+                        let view = rec.view(now);
+                        if view.tombstone {
+                            return Ok(expired(view).into());
+                        }
+                        Ok(Refusal::new(
+                            Reason::DuplicateIntent,
+                            Recovery::ConfirmRepeat,
+                            "This exact call was already made in this run; its receipt is attached. Resend with deliberate_repeat only if a second identical effect is intended.",
+                        )
+                        .with_receipt(view)
+                        .into())
+                    }
+                    Match::Divergent(rec) => {
+                        let mut r = Refusal::new(
+                            Reason::ForkRequired,
+                            Recovery::Fork,
+                            "After the restore this call differs from the recorded effect due here; fork a new branch to make it a new effect.",
+                        )
+                        .with_receipt(rec.view(now));
+                        r.checkpoint_id = call.branch().restored_from_checkpoint.clone();
+                        Ok(r.into())
+                    }
+                    Match::New { occurrence } => self.record_new(call, occurrence, creds),
+                    Match::Existing { .. } | Match::Mismatch(_) => {
+                        unreachable!("answered above")
+                    }
+                }
+            }
+        }
+    }
+
+    fn validate_begin(&self, cmd: &BeginCmd) -> Result<Value> {
+        let limits = &self.config.limits;
+        self.check_id("run_id", &cmd.run_id)?;
+        if !cmd.branch.is_empty() {
+            self.check_id("branch", &cmd.branch)?;
+        }
+        self.check_id("tool", &cmd.tool)?;
+        if !cmd.step_key.is_empty() {
+            self.check_id("step_key", &cmd.step_key)?;
+        }
+        if !cmd.saga_id.is_empty() {
+            self.check_id("saga_id", &cmd.saga_id)?;
+        }
+        self.check_len(
+            "arguments_json",
+            cmd.arguments_json.len(),
+            limits.max_arguments_bytes,
+        )?;
+        let args = canonical::parse_arguments(&cmd.arguments_json)
+            .map_err(|e| LedgerError::invalid("arguments_json", e.to_string()))?;
+        if cmd.lease_ms > self.config.max_lease_ms {
+            return Err(LedgerError::invalid(
+                "lease_ms",
+                format!(
+                    "exceeds the maximum lease of {} ms",
+                    self.config.max_lease_ms
+                ),
+            ));
+        }
+        if cmd.credentials.len() > limits.max_credentials_per_call {
+            return Err(LedgerError::invalid(
+                "credentials",
+                format!(
+                    "{} credentials; the limit is {}",
+                    cmd.credentials.len(),
+                    limits.max_credentials_per_call
+                ),
+            ));
+        }
+        for (i, c) in cmd.credentials.iter().enumerate() {
+            let field = format!("credentials[{i}].token");
+            if c.token.is_empty() {
+                return Err(LedgerError::invalid(field, "must not be empty"));
+            }
+            self.check_len(&field, c.token.len(), limits.max_token_bytes)?;
+            if cmd.credentials[..i].iter().any(|p| p.token == c.token) {
+                return Err(LedgerError::invalid(field, "is presented twice"));
+            }
+        }
+        if let Some((tool, arguments)) = &cmd.compensation {
+            self.check_id("compensation.tool", tool)?;
+            self.check_len(
+                "compensation.arguments_json",
+                arguments.len(),
+                limits.max_arguments_bytes,
+            )?;
+            canonical::parse_arguments(arguments)
+                .map_err(|e| LedgerError::invalid("compensation.arguments_json", e.to_string()))?;
+        }
+        Ok(args)
+    }
+
+    /// The effect a compensation undoes: it must be an effect of the same run.
+    fn compensates_seq(&self, cmd: &BeginCmd, rk: &RunKey) -> Result<u64> {
+        if cmd.compensates_effect_id.is_empty() {
+            return Ok(0);
+        }
+        let id: EffectId = cmd
+            .compensates_effect_id
+            .parse()
+            .map_err(|why: &str| LedgerError::invalid("compensates_effect_id", why))?;
+        if id.run_key != *rk {
+            return Err(LedgerError::invalid(
+                "compensates_effect_id",
+                "must be an effect of the same run",
+            ));
+        }
+        Ok(id.seq)
+    }
+
+    fn match_call(&self, call: &Call<'_>) -> Result<Match> {
+        if call.class() == OpClass::SafeRetry {
+            // Read-only calls are recorded for audit only; they never replay or refuse.
+            let (count, _) = self.lineage_intent(call)?;
+            return Ok(Match::New {
+                occurrence: count + 1,
+            });
+        }
+        let tape_pending = !call.branch().tape_seqs.is_empty();
+        if tape_pending && let Some(m) = self.match_tape(call)? {
+            return Ok(m);
+        }
+        let m = self.match_lineage(call)?;
+        if tape_pending && matches!(m, Match::New { .. }) {
+            // A recorded effect is due and this call is not it: fail closed.
+            let due = self.load_seq(&call.rk, call.branch().tape_seqs[0])?;
+            return Ok(Match::Divergent(due));
+        }
+        Ok(m)
+    }
+
+    /// Matches against the pending tape; `None` when the call is not on it.
+    fn match_tape(&self, call: &Call<'_>) -> Result<Option<Match>> {
+        let tape = &call.branch().tape_seqs;
+        if !call.cmd.step_key.is_empty() {
+            let key = keys::step(&call.rk, call.branch, &call.cmd.step_key);
+            if let Some(entry) = self.get::<IndexEntry>(&key)?
+                && tape.contains(&entry.seq)
+            {
+                let rec = self.load_seq(&call.rk, entry.seq)?;
+                return Ok(Some(if call.same_intent(&rec) {
+                    Match::Existing { rec, tape: true }
+                } else {
+                    Match::Divergent(rec)
+                }));
+            }
+            return Ok(None);
+        }
+        // The n-th identical intent matches the n-th recorded one: the earliest pending entry.
+        let mut best: Option<usize> = None;
+        for fp in call.distinct_fps() {
+            let prefix = keys::intent_prefix(&call.rk, call.branch, &fp);
+            for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
+                let entry: IndexEntry = codec::decode(&k, &v)?;
+                if call.fps.get(entry.tool_version as usize) != Some(&fp) {
+                    continue;
+                }
+                if let Some(i) = tape.iter().position(|s| *s == entry.seq) {
+                    best = Some(best.map_or(i, |b| b.min(i)));
+                }
+            }
+        }
+        match best {
+            Some(i) => {
+                let rec = self.load_seq(&call.rk, tape[i])?;
+                Ok(Some(Match::Existing { rec, tape: true }))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn match_lineage(&self, call: &Call<'_>) -> Result<Match> {
+        if !call.cmd.step_key.is_empty() {
+            for (b, limit) in call.run.lineage(call.branch) {
+                let key = keys::step(&call.rk, b, &call.cmd.step_key);
+                if let Some(entry) = self.get::<IndexEntry>(&key)?
+                    && entry.position < limit
+                {
+                    let rec = self.load_seq(&call.rk, entry.seq)?;
+                    return Ok(if call.same_intent(&rec) {
+                        Match::Existing { rec, tape: false }
+                    } else {
+                        Match::Mismatch(rec)
+                    });
+                }
+            }
+            let (count, _) = self.lineage_intent(call)?;
+            return Ok(Match::New {
+                occurrence: count + 1,
+            });
+        }
+        let (count, latest) = self.lineage_intent(call)?;
+        match latest {
+            Some(seq) if !call.cmd.deliberate_repeat => {
+                let rec = self.load_seq(&call.rk, seq)?;
+                Ok(if call.class() == OpClass::Deduplicate {
+                    Match::Existing { rec, tape: false }
+                } else {
+                    Match::Duplicate(rec)
+                })
+            }
+            _ => Ok(Match::New {
+                occurrence: count + 1,
+            }),
+        }
+    }
+
+    /// How many effects of this intent the call's lineage holds, and the latest one.
+    fn lineage_intent(&self, call: &Call<'_>) -> Result<(u32, Option<u64>)> {
+        self.lineage_intent_of(&call.rk, &call.run, call.branch, &call.fps)
+    }
+
+    /// How many effects of an intent (fingerprints indexed by tool version) the lineage of
+    /// `branch` holds, and the latest one. Each index entry is compared under the tool version
+    /// it was recorded with.
+    pub(super) fn lineage_intent_of(
+        &self,
+        rk: &RunKey,
+        run: &RunRecord,
+        branch: u32,
+        fps: &[Fingerprint],
+    ) -> Result<(u32, Option<u64>)> {
+        let mut distinct: Vec<&Fingerprint> = Vec::with_capacity(fps.len());
+        for fp in fps.iter().rev() {
+            if !distinct.contains(&fp) {
+                distinct.push(fp);
+            }
+        }
+        let mut seqs: Vec<u64> = Vec::new();
+        for (b, limit) in run.lineage(branch) {
+            for fp in &distinct {
+                let prefix = keys::intent_prefix(rk, b, fp);
+                for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
+                    let entry: IndexEntry = codec::decode(&k, &v)?;
+                    if entry.position < limit
+                        && fps.get(entry.tool_version as usize) == Some(*fp)
+                        && !seqs.contains(&entry.seq)
+                    {
+                        seqs.push(entry.seq);
+                    }
+                }
+            }
+        }
+        Ok((seqs.len() as u32, seqs.iter().max().copied()))
+    }
+
+    /// Checks every presented credential; see [`Gate`].
+    fn credential_gate(&self, call: &Call<'_>) -> Result<Gate> {
+        let tk = keys::tenant_key(call.tenant);
+        let mut pass = Vec::with_capacity(call.credential_hashes.len());
+        for (hash, presented) in call.credential_hashes.iter().zip(&call.cmd.credentials) {
+            let Some(cred) = self.get::<CredentialRecord>(&keys::credential(&tk, hash))? else {
+                pass.push(CredentialRecord {
+                    hash: hash.to_vec(),
+                    budget: presented.budget.max(1),
+                    uses: 0,
+                    created_at_ms: call.now,
+                    tenant: call.tenant.to_owned(),
+                    ..Default::default()
+                });
+                continue;
+            };
+            if !cred.bound_tool.is_empty() && cred.bound_tool != call.tool.record.name {
+                return Ok(Gate::Refused(Refusal::new(
+                    Reason::CredentialMismatch,
+                    Recovery::Reauthenticate,
+                    format!(
+                        "This credential is only valid for tool {:?}.",
+                        cred.bound_tool
+                    ),
+                )));
+            }
+            if !cred.bound_intent.is_empty()
+                && !call.fps.iter().any(|fp| fp[..] == cred.bound_intent[..])
+            {
+                return Ok(Gate::Refused(Refusal::new(
+                    Reason::CredentialMismatch,
+                    Recovery::Reauthenticate,
+                    "This approval was given for a different call; ask for a new approval.",
+                )));
+            }
+            if cred.uses >= cred.budget {
+                for spent in cred.spent_by.iter().rev() {
+                    if spent.run_key[..] != call.rk[..] {
+                        continue;
+                    }
+                    let rec = self.load_seq(&call.rk, spent.seq)?;
+                    if call.same_intent(&rec) && call.visible(&rec) {
+                        return Ok(Gate::ExactReplay(rec));
+                    }
+                }
+                let mut refusal = Refusal::new(
+                    Reason::CredentialConsumed,
+                    Recovery::Reauthenticate,
+                    "This credential or approval was already used up; obtain a new one.",
+                );
+                if let Some(last) = cred.spent_by.last()
+                    && let Ok(rk) = RunKey::try_from(&last.run_key[..])
+                    && let Some(rec) = self.get::<EffectRecord>(&keys::effect(&rk, last.seq))?
+                {
+                    refusal = refusal.with_receipt(rec.view(call.now));
+                }
+                return Ok(Gate::Refused(refusal));
+            }
+            pass.push(cred);
+        }
+        Ok(Gate::Pass(pass))
+    }
+
+    /// Answers a call that is an already recorded effect.
+    fn answer_existing(
+        &self,
+        mut call: Call<'_>,
+        mut rec: EffectRecord,
+        tape: bool,
+    ) -> Result<Decision> {
+        let now = call.now;
+        let view = rec.view(now);
+        if view.tombstone {
+            return Ok(expired(view).into());
+        }
+        let mut batch = Batch::new();
+        let decision = match view.state() {
+            State::Completed | State::Compensated => {
+                rec.replays += 1;
+                rec.last_replay_epoch = call.run.epoch;
+                batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
+                Decision::Replay(Box::new(rec.view(now)))
+            }
+            State::Accepted | State::Running => Decision::InProgress {
+                receipt: Box::new(view),
+                retry_after_ms: self.config.in_progress_retry_ms,
+            },
+            State::FailedBeforeInput => self.regrant(&call, &mut rec, &mut batch),
+            State::EffectUnknown | State::RejectedDuplicate | State::NotFound
+                if matches!(rec.class(), OpClass::Deduplicate | OpClass::SafeRetry) =>
+            {
+                // Idempotent downstream under the same key: granting again is safe.
+                self.regrant(&call, &mut rec, &mut batch)
+            }
+            State::EffectUnknown | State::RejectedDuplicate | State::NotFound => {
+                return Ok(Refusal::new(
+                    Reason::ReconcileRequired,
+                    Recovery::Reconcile,
+                    "This call may already have taken effect; check the outside world and reconcile it before anything else.",
+                )
+                .with_receipt(view)
+                .into());
+            }
+        };
+        if tape {
+            let branch = &mut call.run.branches[call.branch as usize];
+            if let Some(i) = branch.tape_seqs.iter().position(|s| *s == rec.seq) {
+                branch.tape_seqs.remove(i);
+                branch.tape_positions.remove(i);
+            }
+            if branch.tape_seqs.is_empty() {
+                branch.restored_from_checkpoint.clear();
+            }
+            batch.put(keys::run(&call.rk), codec::encode(&call.run));
+        }
+        self.store.write(batch)?;
+        Ok(decision)
+    }
+
+    /// Grants an effect again (same id, same downstream key, next attempt).
+    fn regrant(&self, call: &Call<'_>, rec: &mut EffectRecord, batch: &mut Batch) -> Decision {
+        let lease = self.lease_for(call);
+        rec.attempt += 1;
+        rec.state = State::Accepted.code();
+        rec.expires_at_ms = 0;
+        rec.epoch = call.run.epoch;
+        rec.lease_ms = lease;
+        rec.lease_expires_at_ms = call.now + lease;
+        rec.updated_at_ms = call.now;
+        batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&*rec));
+        Decision::Execute {
+            receipt: Box::new(rec.clone()),
+            recorded: true,
+        }
+    }
+
+    fn lease_for(&self, call: &Call<'_>) -> u64 {
+        [call.cmd.lease_ms, call.tool.record.lease_ms]
+            .into_iter()
+            .find(|l| *l > 0)
+            .unwrap_or(self.config.default_lease_ms)
+    }
+
+    fn new_effect_record(&self, call: &Call<'_>, seq: u64, occurrence: u32) -> EffectRecord {
+        let lease = self.lease_for(call);
+        let branch = call.branch();
+        let retention = match call.tool.record.retention_ms {
+            0 => self.config.default_retention_ms,
+            r => r,
+        };
+        let (compensation_tool, compensation_arguments) =
+            call.cmd.compensation.clone().unwrap_or_default();
+        EffectRecord {
+            tenant: call.tenant.to_owned(),
+            run_id: call.cmd.run_id.clone(),
+            seq,
+            branch: call.branch,
+            branch_name: branch.name.clone(),
+            position: branch.length,
+            epoch: call.run.epoch,
+            tool: call.tool.record.name.clone(),
+            tool_version: call.tool.record.version,
+            class: call.tool.record.class,
+            step_key: call.cmd.step_key.clone(),
+            intent_fp: call.fp().to_vec(),
+            request_fp: call.request_fp.to_vec(),
+            occurrence,
+            state: State::Accepted.code(),
+            downstream_key: downstream_key(call, occurrence),
+            attempt: 1,
+            lease_ms: lease,
+            lease_expires_at_ms: call.now + lease,
+            created_at_ms: call.now,
+            updated_at_ms: call.now,
+            retention_ms: retention,
+            credential_hashes: call.credential_hashes.iter().map(|h| h.to_vec()).collect(),
+            saga_id: call.cmd.saga_id.clone(),
+            compensation_tool,
+            compensation_arguments,
+            compensates_seq: call.compensates_seq,
+            arguments_json: call.cmd.arguments_json.clone(),
+            deliberate_repeat: call.cmd.deliberate_repeat,
+            ..Default::default()
+        }
+    }
+
+    /// Records a new effect, its indexes and its credential uses in one batch.
+    fn record_new(
+        &self,
+        mut call: Call<'_>,
+        occurrence: u32,
+        mut creds: Vec<CredentialRecord>,
+    ) -> Result<Decision> {
+        let limits = &self.config.limits;
+        let seq = call.run.next_seq.max(1);
+        if seq > limits.max_effects_per_run {
+            return Err(LedgerError::ResourceExhausted {
+                field: "run_id".into(),
+                why: format!(
+                    "run {:?} holds the maximum of {} effects",
+                    call.cmd.run_id, limits.max_effects_per_run
+                ),
+            });
+        }
+        let rec = self.new_effect_record(&call, seq, occurrence);
+        let index = IndexEntry {
+            seq,
+            position: rec.position,
+            tool_version: rec.tool_version,
+        };
+        let mut batch = Batch::new();
+        batch.put(keys::effect(&call.rk, seq), codec::encode(&rec));
+        if !call.cmd.step_key.is_empty() {
+            batch.put(
+                keys::step(&call.rk, call.branch, &call.cmd.step_key),
+                codec::encode(&index),
+            );
+        }
+        batch.put(
+            keys::intent(&call.rk, call.branch, call.fp(), occurrence),
+            codec::encode(&index),
+        );
+        batch.put(
+            keys::branch_log(&call.rk, call.branch, rec.position),
+            codec::encode(&index),
+        );
+        let tk = keys::tenant_key(call.tenant);
+        for cred in &mut creds {
+            cred.uses += 1;
+            cred.spent_by.push(EffectRef {
+                run_key: call.rk.to_vec(),
+                seq,
+            });
+            let hash: [u8; 32] = cred.hash[..].try_into().expect("hashes are 32 bytes");
+            batch.put(keys::credential(&tk, &hash), codec::encode(&*cred));
+        }
+        call.run.next_seq = seq + 1;
+        call.run.branches[call.branch as usize].length += 1;
+        batch.put(keys::run(&call.rk), codec::encode(&call.run));
+        self.store.write(batch)?;
+        Ok(Decision::Execute {
+            receipt: Box::new(rec),
+            recorded: true,
+        })
+    }
+
+    /// The keyed hash a credential is stored under (the raw value never is).
+    pub fn credential_hash(&self, tenant: &str, token: &[u8]) -> [u8; 32] {
+        let mut h = blake3::Hasher::new_keyed(&self.config.credential_key);
+        h.update(&(tenant.len() as u64).to_be_bytes());
+        h.update(tenant.as_bytes());
+        h.update(token);
+        *h.finalize().as_bytes()
+    }
+}
+
+/// A fresh run record: epoch 1, branch "main".
+pub(super) fn new_run(tenant: &str, run_id: &str, now: u64) -> RunRecord {
+    RunRecord {
+        tenant: tenant.to_owned(),
+        run_id: run_id.to_owned(),
+        epoch: 1,
+        next_seq: 1,
+        created_at_ms: now,
+        branches: vec![BranchRecord {
+            name: MAIN_BRANCH.to_owned(),
+            created_epoch: 1,
+            created_at_ms: now,
+            ..Default::default()
+        }],
+        checkpoint_count: 0,
+    }
+}
+
+/// The downstream idempotency key: from the effect's identity, never from the attempt.
+fn downstream_key(call: &Call<'_>, occurrence: u32) -> String {
+    let mut h = blake3::Hasher::new_derive_key("fence.v1 downstream key");
+    for part in [
+        call.tenant.as_bytes(),
+        call.cmd.run_id.as_bytes(),
+        call.branch().name.as_bytes(),
+        call.cmd.step_key.as_bytes(),
+        &call.fp()[..],
+    ] {
+        h.update(&(part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    h.update(&occurrence.to_be_bytes());
+    format!("fence-{}", codec::hex(&h.finalize().as_bytes()[..16]))
+}
+
+fn expired(view: EffectRecord) -> Refusal {
+    Refusal::new(
+        Reason::Expired,
+        Recovery::Stop,
+        "This call matches a record past its retention window; it will not be executed again.",
+    )
+    .with_receipt(view)
+}

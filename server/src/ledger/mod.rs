@@ -1,0 +1,377 @@
+//! The ledger: Fence's state machine, in plain Rust with no network in it.
+//!
+//! It owns every rule of DESIGN.md: operation classes, effect states and leases, the
+//! replay-or-fork decision ([`begin`]), checkpoints, restores and forks ([`runs`]), outcomes
+//! ([`outcome`]), credentials ([`credentials`]), the tool registry ([`tools`]) and retention
+//! ([`expiry`]). Invariants:
+//! - every transition is one atomic [`Batch`](crate::store::Batch), durable before it returns;
+//! - every decision touches one run's records (plus the tenant's credentials and tools), and
+//!   decisions on one run are serialised by a striped lock, so there are never two live grants
+//!   for one effect while different runs proceed in parallel;
+//! - a refusal or an invalid request writes nothing.
+
+pub mod begin;
+pub mod credentials;
+pub mod expiry;
+pub mod outcome;
+pub mod records;
+pub mod runs;
+pub mod tools;
+pub mod types;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use prost::Message;
+
+use crate::clock::Clock;
+use crate::store::keys::{self, RunKey};
+use crate::store::{Store, codec};
+use records::{EffectRecord, RunRecord};
+pub use types::*;
+
+/// The root branch's name.
+pub const MAIN_BRANCH: &str = "main";
+
+/// Size and count limits; every one is enforced before anything is written.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Maximum bytes of any identifier.
+    pub max_id_bytes: usize,
+    /// Maximum bytes of a call's JSON arguments.
+    pub max_arguments_bytes: usize,
+    /// Maximum bytes of a result.
+    pub max_result_bytes: usize,
+    /// Maximum bytes of reconcile evidence.
+    pub max_evidence_bytes: usize,
+    /// Maximum bytes of a failure detail or fork reason.
+    pub max_detail_bytes: usize,
+    /// Maximum bytes of a raw credential.
+    pub max_token_bytes: usize,
+    /// Maximum credentials presented in one call.
+    pub max_credentials_per_call: usize,
+    /// Maximum effects recorded in one run.
+    pub max_effects_per_run: u64,
+    /// Maximum branches of one run.
+    pub max_branches_per_run: usize,
+    /// Maximum checkpoints of one run.
+    pub max_checkpoints_per_run: u32,
+    /// Maximum field paths in one intent schema.
+    pub max_schema_paths: usize,
+    /// Maximum registered versions of one tool.
+    pub max_tool_versions: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_id_bytes: 256,
+            max_arguments_bytes: 1 << 20,
+            max_result_bytes: 4 << 20,
+            max_evidence_bytes: 64 << 10,
+            max_detail_bytes: 16 << 10,
+            max_token_bytes: 4096,
+            max_credentials_per_call: 16,
+            max_effects_per_run: 1_000_000,
+            max_branches_per_run: 256,
+            max_checkpoints_per_run: 10_000,
+            max_schema_paths: 64,
+            max_tool_versions: 1000,
+        }
+    }
+}
+
+/// Ledger settings.
+#[derive(Debug, Clone)]
+pub struct LedgerConfig {
+    /// Lease of a grant when neither the call nor the tool says.
+    pub default_lease_ms: u64,
+    /// Longest lease a call may ask for.
+    pub max_lease_ms: u64,
+    /// Retention of finished effects when the tool does not say.
+    pub default_retention_ms: u64,
+    /// Suggested wait returned with IN_PROGRESS.
+    pub in_progress_retry_ms: u64,
+    /// Limits.
+    pub limits: Limits,
+    /// The server secret keying credential hashes.
+    pub credential_key: [u8; 32],
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        Self {
+            default_lease_ms: 30_000,
+            max_lease_ms: 24 * 3600 * 1000,
+            default_retention_ms: 7 * 24 * 3600 * 1000,
+            in_progress_retry_ms: 200,
+            limits: Limits::default(),
+            credential_key: [0; 32],
+        }
+    }
+}
+
+/// Striped mutexes: a key's stripe serialises every decision on it.
+struct Stripes(Box<[Mutex<()>]>);
+
+impl Stripes {
+    fn new(n: usize) -> Self {
+        Self((0..n).map(|_| Mutex::new(())).collect())
+    }
+
+    fn index(&self, key: &[u8]) -> usize {
+        // Keys end in hash bytes (run keys, name and credential hashes): their tail spreads
+        // well, while their head is a shared kind/tenant prefix.
+        let mut b = [0u8; 8];
+        let n = key.len().min(8);
+        b[..n].copy_from_slice(&key[key.len() - n..]);
+        (u64::from_le_bytes(b) % self.0.len() as u64) as usize
+    }
+
+    fn lock(&self, key: &[u8]) -> MutexGuard<'_, ()> {
+        // The guarded value is (), so a panic elsewhere cannot leave it inconsistent.
+        self.0[self.index(key)]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Locks the stripes of several keys, in a global order (no deadlock).
+    fn lock_many(&self, keys: &[&[u8]]) -> Vec<MutexGuard<'_, ()>> {
+        let mut idx: Vec<usize> = keys.iter().map(|k| self.index(k)).collect();
+        idx.sort_unstable();
+        idx.dedup();
+        idx.into_iter()
+            .map(|i| self.0[i].lock().unwrap_or_else(|e| e.into_inner()))
+            .collect()
+    }
+}
+
+/// The effect ledger over a [`Store`].
+pub struct Ledger<S> {
+    store: S,
+    clock: Arc<dyn Clock>,
+    config: LedgerConfig,
+    /// Serialises decisions per run (and tool registrations per tenant+name).
+    runs: Stripes,
+    /// Serialises spending per credential; always taken after a run stripe.
+    credentials: Stripes,
+}
+
+impl<S: Store> Ledger<S> {
+    /// A ledger over `store`.
+    pub fn new(store: S, clock: Arc<dyn Clock>, config: LedgerConfig) -> Self {
+        Self {
+            store,
+            clock,
+            config,
+            runs: Stripes::new(4096),
+            credentials: Stripes::new(1024),
+        }
+    }
+
+    /// The underlying store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LedgerConfig {
+        &self.config
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    fn get<M: Message + Default>(&self, key: &[u8]) -> Result<Option<M>> {
+        match self.store.get(key)? {
+            Some(bytes) => Ok(Some(codec::decode(key, &bytes)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Loads a run, checking it belongs to `tenant` (the key is a hash; the record is the truth).
+    fn load_run(&self, rk: &RunKey, tenant: &str, run_id: &str) -> Result<Option<RunRecord>> {
+        Ok(self
+            .get::<RunRecord>(&keys::run(rk))?
+            .filter(|r| r.tenant == tenant && r.run_id == run_id))
+    }
+
+    fn require_run(&self, rk: &RunKey, tenant: &str, run_id: &str) -> Result<RunRecord> {
+        self.load_run(rk, tenant, run_id)?.ok_or_else(|| {
+            Refusal::new(
+                Reason::UnknownRecord,
+                Recovery::FixArgument,
+                format!("Run {run_id:?} does not exist."),
+            )
+            .into()
+        })
+    }
+
+    /// Loads an effect by id, as seen by `tenant` (another tenant's effect does not exist).
+    fn load_effect(&self, id: &EffectId, tenant: &str) -> Result<Option<EffectRecord>> {
+        Ok(self
+            .get::<EffectRecord>(&keys::effect(&id.run_key, id.seq))?
+            .filter(|e| e.tenant == tenant && keys::run_key(tenant, &e.run_id) == id.run_key))
+    }
+
+    fn require_effect(&self, id: &EffectId, tenant: &str) -> Result<EffectRecord> {
+        self.load_effect(id, tenant)?
+            .ok_or_else(|| unknown_effect(&id.to_string()).into())
+    }
+
+    fn load_seq(&self, rk: &RunKey, seq: u64) -> Result<EffectRecord> {
+        let key = keys::effect(rk, seq);
+        self.get(&key)?.ok_or_else(|| {
+            crate::store::StoreError::Corrupt {
+                key: codec::hex(&key),
+                why: "an index points at a missing effect".into(),
+            }
+            .into()
+        })
+    }
+
+    /// Validates an identifier: not empty, not blank, not oversized, no control characters.
+    fn check_id(&self, field: &str, value: &str) -> Result<()> {
+        check_id(field, value, self.config.limits.max_id_bytes)
+    }
+
+    fn check_len(&self, field: &str, len: usize, max: usize) -> Result<()> {
+        if len > max {
+            return Err(LedgerError::invalid(
+                field,
+                format!("is {len} bytes; the limit is {max}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Validates an identifier (see [`Limits::max_id_bytes`]).
+pub fn check_id(field: &str, value: &str, max: usize) -> Result<()> {
+    let why = if value.is_empty() {
+        "must not be empty".to_owned()
+    } else if value.trim().is_empty() {
+        "must not be blank".to_owned()
+    } else if value.len() > max {
+        format!("is {} bytes; the limit is {max}", value.len())
+    } else if value.chars().any(char::is_control) {
+        "must not contain control characters".to_owned()
+    } else {
+        return Ok(());
+    };
+    Err(LedgerError::invalid(field, why))
+}
+
+fn unknown_effect(id: &str) -> Refusal {
+    Refusal::new(
+        Reason::UnknownRecord,
+        Recovery::FixArgument,
+        format!("Effect {id} does not exist."),
+    )
+}
+
+/// Checks a request's epoch against the run's.
+fn check_epoch(run: &RunRecord, epoch: u64) -> std::result::Result<(), Refusal> {
+    let stale = |msg: String| {
+        let mut r = Refusal::new(Reason::StaleEpoch, Recovery::RefreshEpoch, msg);
+        r.current_epoch = run.epoch;
+        r
+    };
+    if epoch == 0 && run.epoch > 1 {
+        return Err(stale(format!(
+            "Run {:?} was restored (epoch {}); calls must carry the current epoch.",
+            run.run_id, run.epoch
+        )));
+    }
+    if epoch != 0 && epoch < run.epoch {
+        return Err(stale(format!(
+            "Epoch {epoch} is stale: run {:?} was restored and is at epoch {}.",
+            run.run_id, run.epoch
+        )));
+    }
+    if epoch > run.epoch {
+        let mut r = Refusal::new(
+            Reason::UnknownEpoch,
+            Recovery::RefreshEpoch,
+            format!(
+                "Epoch {epoch} was never issued; run {:?} is at epoch {}.",
+                run.run_id, run.epoch
+            ),
+        );
+        r.current_epoch = run.epoch;
+        return Err(r);
+    }
+    Ok(())
+}
+
+impl RunRecord {
+    /// The index of a branch by name ("" = main).
+    pub fn branch_index(&self, name: &str) -> Option<u32> {
+        let name = if name.is_empty() { MAIN_BRANCH } else { name };
+        self.branches
+            .iter()
+            .position(|b| b.name == name)
+            .map(|i| i as u32)
+    }
+
+    /// The branch lineage of `branch`: (branch index, log positions visible) from the branch
+    /// itself up to "main". A parent contributes only what it recorded before the fork point.
+    pub fn lineage(&self, branch: u32) -> Vec<(u32, u64)> {
+        let mut out = vec![(branch, u64::MAX)];
+        let mut cur = &self.branches[branch as usize];
+        while let Some(parent) = cur.parent {
+            out.push((parent, cur.fork_position));
+            cur = &self.branches[parent as usize];
+        }
+        out
+    }
+}
+
+impl EffectRecord {
+    /// The effect's public id.
+    pub fn id(&self) -> EffectId {
+        EffectId {
+            run_key: keys::run_key(&self.tenant, &self.run_id),
+            seq: self.seq,
+        }
+    }
+
+    /// The state code as an enum.
+    pub fn state(&self) -> State {
+        State::from_code(self.state).unwrap_or(State::EffectUnknown)
+    }
+
+    /// The class code as an enum.
+    pub fn class(&self) -> OpClass {
+        OpClass::from_code(self.class).unwrap_or(OpClass::NonRetryable)
+    }
+
+    /// True while a grant's lease is live at `now`.
+    pub fn lease_live(&self, now: u64) -> bool {
+        matches!(self.state(), State::Accepted | State::Running) && now < self.lease_expires_at_ms
+    }
+
+    /// The record as it stands at `now`: a lapsed lease reads EFFECT_UNKNOWN, and a record
+    /// past its retention reads as its tombstone (even before the sweep rewrites it).
+    pub fn view(&self, now: u64) -> EffectRecord {
+        let mut v = self.clone();
+        if matches!(v.state(), State::Accepted | State::Running) && now >= v.lease_expires_at_ms {
+            v.state = State::EffectUnknown.code();
+            v.lease_expires_at_ms = 0;
+        }
+        if !v.tombstone && v.expires_at_ms != 0 && now >= v.expires_at_ms {
+            v.make_tombstone();
+        }
+        v
+    }
+
+    /// Drops the payload, keeping identity, fingerprints and the final state.
+    pub fn make_tombstone(&mut self) {
+        self.tombstone = true;
+        self.result.clear();
+        self.detail.clear();
+        self.evidence.clear();
+        self.arguments_json.clear();
+        self.compensation_arguments.clear();
+    }
+}

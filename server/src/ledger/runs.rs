@@ -1,0 +1,326 @@
+//! Runs, checkpoints, restores and forks: the history side of the replay-or-fork rule.
+//!
+//! `Restore` rewinds a branch to a checkpoint: it increments the run's epoch (so every caller
+//! from before the restore is fenced off) and puts every non-SAFE_RETRY effect the branch
+//! recorded after the checkpoint on the branch's replay tape, which [`begin`](super::begin)
+//! consumes. `Fork` starts a new branch at a checkpoint; the parent's effects before the fork
+//! point are its lineage, and nothing recorded anywhere is ever undone or hidden.
+
+use super::begin::new_run;
+use super::records::{
+    BranchRecord, CheckpointRecord, EffectRecord, IndexEntry, RestoreRecord, RunRecord,
+};
+use super::{
+    Ledger, LedgerError, MAIN_BRANCH, OpClass, Reason, Recovery, Refusal, Result, check_epoch,
+};
+use crate::store::keys::{self, RunKey};
+use crate::store::{Batch, Store, codec};
+
+/// A run with its checkpoints and restore history.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunView {
+    /// The run record (epoch, branches, pending tapes).
+    pub run: RunRecord,
+    /// Checkpoints in creation order.
+    pub checkpoints: Vec<CheckpointRecord>,
+    /// Restores, oldest first.
+    pub restores: Vec<RestoreRecord>,
+}
+
+/// What a restore did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Restored {
+    /// The new epoch.
+    pub epoch: u64,
+    /// The branch rewound.
+    pub branch: String,
+    /// The replay tape, in log order.
+    pub tape: Vec<EffectRecord>,
+}
+
+/// A checkpoint request.
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointCmd {
+    /// Run id.
+    pub run_id: String,
+    /// Branch ("" = main).
+    pub branch: String,
+    /// Caller's epoch.
+    pub epoch: u64,
+    /// Checkpoint name.
+    pub checkpoint_id: String,
+}
+
+/// A fork request.
+#[derive(Debug, Clone, Default)]
+pub struct ForkCmd {
+    /// Run id.
+    pub run_id: String,
+    /// The checkpoint the branch starts from.
+    pub checkpoint_id: String,
+    /// Caller's epoch.
+    pub epoch: u64,
+    /// New branch name ("" = "fork-N").
+    pub new_branch: String,
+    /// Why.
+    pub reason: String,
+}
+
+impl<S: Store> Ledger<S> {
+    /// Creates the run if needed; returns it and whether this call created it.
+    pub fn start_run(&self, tenant: &str, run_id: &str) -> Result<(RunView, bool)> {
+        self.check_id("run_id", run_id)?;
+        let rk = keys::run_key(tenant, run_id);
+        let _guard = self.runs.lock(&rk);
+        let created = match self.load_run(&rk, tenant, run_id)? {
+            Some(_) => false,
+            None => {
+                let run = new_run(tenant, run_id, self.now());
+                let mut batch = Batch::new();
+                batch.put(keys::run(&rk), codec::encode(&run));
+                self.store.write(batch)?;
+                true
+            }
+        };
+        Ok((self.run_view(&rk, tenant, run_id)?, created))
+    }
+
+    /// A run's state, checkpoints and restore history.
+    pub fn get_run(&self, tenant: &str, run_id: &str) -> Result<RunView> {
+        self.check_id("run_id", run_id)?;
+        let rk = keys::run_key(tenant, run_id);
+        self.run_view(&rk, tenant, run_id)
+    }
+
+    fn run_view(&self, rk: &RunKey, tenant: &str, run_id: &str) -> Result<RunView> {
+        let run = self.require_run(rk, tenant, run_id)?;
+        let prefix = keys::checkpoint_prefix(rk);
+        let mut checkpoints = self
+            .store
+            .scan(&prefix, &prefix, usize::MAX)?
+            .into_iter()
+            .map(|(k, v)| codec::decode::<CheckpointRecord>(&k, &v))
+            .collect::<Result<Vec<_>, _>>()?;
+        checkpoints.sort_by_key(|c| c.ordinal);
+        let prefix = keys::restore_prefix(rk);
+        let restores = self
+            .store
+            .scan(&prefix, &prefix, usize::MAX)?
+            .into_iter()
+            .map(|(k, v)| codec::decode::<RestoreRecord>(&k, &v))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(RunView {
+            run,
+            checkpoints,
+            restores,
+        })
+    }
+
+    /// Records a checkpoint at the branch's current logical position.
+    pub fn checkpoint(
+        &self,
+        tenant: &str,
+        cmd: &CheckpointCmd,
+    ) -> Result<(CheckpointRecord, bool)> {
+        self.check_id("run_id", &cmd.run_id)?;
+        self.check_id("checkpoint_id", &cmd.checkpoint_id)?;
+        if !cmd.branch.is_empty() {
+            self.check_id("branch", &cmd.branch)?;
+        }
+        let rk = keys::run_key(tenant, &cmd.run_id);
+        let _guard = self.runs.lock(&rk);
+        let now = self.now();
+        let on_main = cmd.branch.is_empty() || cmd.branch == MAIN_BRANCH;
+        let mut run = match self.load_run(&rk, tenant, &cmd.run_id)? {
+            Some(run) => run,
+            // A framework may checkpoint before the run's first effect.
+            None if cmd.epoch <= 1 && on_main => new_run(tenant, &cmd.run_id, now),
+            None => return Err(self.require_run(&rk, tenant, &cmd.run_id).unwrap_err()),
+        };
+        check_epoch(&run, cmd.epoch)?;
+        let branch = run
+            .branch_index(&cmd.branch)
+            .ok_or_else(|| unknown_branch(&cmd.branch))?;
+        let key = keys::checkpoint(&rk, &cmd.checkpoint_id);
+        if let Some(existing) = self.get::<CheckpointRecord>(&key)? {
+            if existing.branch == branch {
+                return Ok((existing, false));
+            }
+            return Err(LedgerError::AlreadyExists {
+                field: "checkpoint_id".into(),
+                why: format!(
+                    "checkpoint {:?} already exists on branch {:?}",
+                    cmd.checkpoint_id, existing.branch_name
+                ),
+            });
+        }
+        if run.checkpoint_count >= self.config.limits.max_checkpoints_per_run {
+            return Err(LedgerError::ResourceExhausted {
+                field: "checkpoint_id".into(),
+                why: format!(
+                    "run {:?} holds the maximum of {} checkpoints",
+                    cmd.run_id, self.config.limits.max_checkpoints_per_run
+                ),
+            });
+        }
+        let b = &run.branches[branch as usize];
+        // While a tape is pending the agent is logically at its first unconsumed entry, not at
+        // the end of the log: restoring to this checkpoint later must replay from there.
+        let position = b.tape_positions.iter().copied().min().unwrap_or(b.length);
+        let record = CheckpointRecord {
+            checkpoint_id: cmd.checkpoint_id.clone(),
+            branch,
+            position,
+            epoch: run.epoch,
+            created_at_ms: now,
+            ordinal: run.checkpoint_count,
+            branch_name: b.name.clone(),
+        };
+        run.checkpoint_count += 1;
+        let mut batch = Batch::new();
+        batch.put(key, codec::encode(&record));
+        batch.put(keys::run(&rk), codec::encode(&run));
+        self.store.write(batch)?;
+        Ok((record, true))
+    }
+
+    fn require_checkpoint(&self, rk: &RunKey, checkpoint_id: &str) -> Result<CheckpointRecord> {
+        self.get::<CheckpointRecord>(&keys::checkpoint(rk, checkpoint_id))?
+            .ok_or_else(|| {
+                Refusal::new(
+                    Reason::UnknownRecord,
+                    Recovery::FixArgument,
+                    format!("Checkpoint {checkpoint_id:?} does not exist in this run."),
+                )
+                .into()
+            })
+    }
+
+    /// Rewinds a branch to a checkpoint: new epoch, new replay tape.
+    pub fn restore(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        checkpoint_id: &str,
+        expected_epoch: u64,
+    ) -> Result<Restored> {
+        self.check_id("run_id", run_id)?;
+        self.check_id("checkpoint_id", checkpoint_id)?;
+        let rk = keys::run_key(tenant, run_id);
+        let _guard = self.runs.lock(&rk);
+        let now = self.now();
+        let mut run = self.require_run(&rk, tenant, run_id)?;
+        if expected_epoch != 0 {
+            check_epoch(&run, expected_epoch)?;
+        }
+        let cp = self.require_checkpoint(&rk, checkpoint_id)?;
+        let prefix = keys::branch_log_prefix(&rk, cp.branch);
+        let from = keys::branch_log(&rk, cp.branch, cp.position);
+        let mut tape = Vec::new();
+        for (k, v) in self.store.scan(&prefix, &from, usize::MAX)? {
+            let entry: IndexEntry = codec::decode(&k, &v)?;
+            let rec = self.load_seq(&rk, entry.seq)?;
+            // Read-only calls are never matched against the tape, so they never sit on it.
+            if rec.class() != OpClass::SafeRetry {
+                tape.push(rec);
+            }
+        }
+        run.epoch += 1;
+        let branch = &mut run.branches[cp.branch as usize];
+        branch.tape_seqs = tape.iter().map(|r| r.seq).collect();
+        branch.tape_positions = tape.iter().map(|r| r.position).collect();
+        branch.restored_from_checkpoint = if tape.is_empty() {
+            String::new()
+        } else {
+            checkpoint_id.to_owned()
+        };
+        let event = RestoreRecord {
+            epoch: run.epoch,
+            checkpoint_id: checkpoint_id.to_owned(),
+            branch: cp.branch,
+            tape_seqs: branch.tape_seqs.clone(),
+            at_ms: now,
+            branch_name: branch.name.clone(),
+        };
+        let branch_name = branch.name.clone();
+        let mut batch = Batch::new();
+        batch.put(keys::restore(&rk, run.epoch), codec::encode(&event));
+        batch.put(keys::run(&rk), codec::encode(&run));
+        self.store.write(batch)?;
+        Ok(Restored {
+            epoch: run.epoch,
+            branch: branch_name,
+            tape: tape.into_iter().map(|r| r.view(now)).collect(),
+        })
+    }
+
+    /// Starts a new branch at a checkpoint. Repeating an identical fork returns the branch.
+    pub fn fork(&self, tenant: &str, cmd: &ForkCmd) -> Result<BranchRecord> {
+        self.check_id("run_id", &cmd.run_id)?;
+        self.check_id("checkpoint_id", &cmd.checkpoint_id)?;
+        if !cmd.new_branch.is_empty() {
+            self.check_id("new_branch", &cmd.new_branch)?;
+        }
+        self.check_len(
+            "reason",
+            cmd.reason.len(),
+            self.config.limits.max_detail_bytes,
+        )?;
+        let rk = keys::run_key(tenant, &cmd.run_id);
+        let _guard = self.runs.lock(&rk);
+        let now = self.now();
+        let mut run = self.require_run(&rk, tenant, &cmd.run_id)?;
+        check_epoch(&run, cmd.epoch)?;
+        let cp = self.require_checkpoint(&rk, &cmd.checkpoint_id)?;
+        let name = if cmd.new_branch.is_empty() {
+            format!("fork-{}", run.branches.len())
+        } else {
+            cmd.new_branch.clone()
+        };
+        if let Some(i) = run.branch_index(&name) {
+            let existing = &run.branches[i as usize];
+            if existing.parent == Some(cp.branch)
+                && existing.forked_from_checkpoint == cp.checkpoint_id
+            {
+                return Ok(existing.clone());
+            }
+            return Err(LedgerError::AlreadyExists {
+                field: "new_branch".into(),
+                why: format!("branch {name:?} already exists with another origin"),
+            });
+        }
+        if run.branches.len() >= self.config.limits.max_branches_per_run {
+            return Err(LedgerError::ResourceExhausted {
+                field: "new_branch".into(),
+                why: format!(
+                    "run {:?} holds the maximum of {} branches",
+                    cmd.run_id, self.config.limits.max_branches_per_run
+                ),
+            });
+        }
+        let branch = BranchRecord {
+            name,
+            parent: Some(cp.branch),
+            fork_position: cp.position,
+            forked_from_checkpoint: cp.checkpoint_id.clone(),
+            reason: cmd.reason.clone(),
+            created_epoch: run.epoch,
+            created_at_ms: now,
+            ..Default::default()
+        };
+        run.branches.push(branch.clone());
+        let mut batch = Batch::new();
+        batch.put(keys::run(&rk), codec::encode(&run));
+        self.store.write(batch)?;
+        Ok(branch)
+    }
+}
+
+fn unknown_branch(name: &str) -> LedgerError {
+    Refusal::new(
+        Reason::UnknownRecord,
+        Recovery::FixArgument,
+        format!("Branch {name:?} does not exist in this run."),
+    )
+    .into()
+}

@@ -1,0 +1,267 @@
+//! The gRPC service: thin handlers that authenticate, convert, run the ledger on a blocking
+//! thread (RocksDB calls never block tokio workers) and convert back.
+
+use std::sync::Arc;
+
+use fence_proto::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::auth::tenant_of;
+use crate::convert;
+use crate::ledger::{BeginCmd, Ledger, LedgerError};
+use crate::store::Store;
+
+/// The `fence.v1.Fence` service over a ledger.
+pub struct FenceService<S> {
+    ledger: Arc<Ledger<S>>,
+}
+
+impl<S> FenceService<S> {
+    /// A service over `ledger`.
+    pub fn new(ledger: Arc<Ledger<S>>) -> Self {
+        Self { ledger }
+    }
+}
+
+impl<S: Store> FenceService<S> {
+    /// Runs `f` against the ledger on the blocking pool, with the caller's tenant.
+    async fn run<T, Q, F>(&self, req: Request<Q>, f: F) -> Result<Response<T>, Status>
+    where
+        T: Send + 'static,
+        Q: Send + 'static,
+        F: FnOnce(&Ledger<S>, &str, Q) -> Result<T, LedgerError> + Send + 'static,
+    {
+        let tenant = tenant_of(&req)?;
+        let body = req.into_inner();
+        let ledger = self.ledger.clone();
+        let out = tokio::task::spawn_blocking(move || f(&ledger, &tenant, body))
+            .await
+            .map_err(|e| {
+                tracing::error!(error = %e, "ledger task failed");
+                Status::internal("the request could not be processed")
+            })?;
+        Ok(Response::new(out?))
+    }
+}
+
+#[tonic::async_trait]
+impl<S: Store> pb::fence_server::Fence for FenceService<S> {
+    async fn register_tool(
+        &self,
+        req: Request<pb::RegisterToolRequest>,
+    ) -> Result<Response<pb::RegisterToolResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let (tool, created) = l.register_tool(t, convert::tool_def(r)?)?;
+            tracing::info!(tenant = t, tool = %tool.name, version = tool.version, created, "tool registered");
+            Ok(pb::RegisterToolResponse {
+                tool: Some(convert::tool_spec(&tool)),
+                created,
+            })
+        })
+        .await
+    }
+
+    async fn get_tool(
+        &self,
+        req: Request<pb::GetToolRequest>,
+    ) -> Result<Response<pb::GetToolResponse>, Status> {
+        self.run(req, |l, t, r| {
+            crate::ledger::check_id("name", &r.name, l.config().limits.max_id_bytes)?;
+            let tool = if r.version == 0 {
+                l.current_tool(t, &r.name)?
+            } else {
+                l.tool_version(t, &r.name, r.version)?
+            };
+            Ok(pb::GetToolResponse {
+                tool: Some(convert::tool_spec(&tool.record)),
+            })
+        })
+        .await
+    }
+
+    async fn start_run(
+        &self,
+        req: Request<pb::StartRunRequest>,
+    ) -> Result<Response<pb::StartRunResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let (view, created) = l.start_run(t, &r.run_id)?;
+            Ok(pb::StartRunResponse {
+                run: Some(convert::run_info(&view)),
+                created,
+            })
+        })
+        .await
+    }
+
+    async fn get_run(
+        &self,
+        req: Request<pb::GetRunRequest>,
+    ) -> Result<Response<pb::GetRunResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let view = l.get_run(t, &r.run_id)?;
+            Ok(pb::GetRunResponse {
+                run: Some(convert::run_info(&view)),
+            })
+        })
+        .await
+    }
+
+    async fn checkpoint(
+        &self,
+        req: Request<pb::CheckpointRequest>,
+    ) -> Result<Response<pb::CheckpointResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let (cp, created) = l.checkpoint(t, &convert::checkpoint_cmd(r))?;
+            Ok(pb::CheckpointResponse {
+                checkpoint: Some(convert::checkpoint_info(&cp)),
+                created,
+            })
+        })
+        .await
+    }
+
+    async fn restore(
+        &self,
+        req: Request<pb::RestoreRequest>,
+    ) -> Result<Response<pb::RestoreResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let restored = l.restore(t, &r.run_id, &r.checkpoint_id, r.expected_epoch)?;
+            tracing::info!(tenant = t, run = %r.run_id, checkpoint = %r.checkpoint_id,
+                epoch = restored.epoch, tape = restored.tape.len(), "run restored");
+            Ok(convert::restore_response(&restored))
+        })
+        .await
+    }
+
+    async fn fork(
+        &self,
+        req: Request<pb::ForkRequest>,
+    ) -> Result<Response<pb::ForkResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let cmd = convert::fork_cmd(r);
+            let branch = l.fork(t, &cmd)?;
+            let view = l.get_run(t, &cmd.run_id)?;
+            tracing::info!(tenant = t, run = %cmd.run_id, branch = %branch.name, "branch forked");
+            Ok(pb::ForkResponse {
+                branch: Some(convert::branch_info(&view.run, &branch)),
+            })
+        })
+        .await
+    }
+
+    async fn begin(
+        &self,
+        req: Request<pb::BeginRequest>,
+    ) -> Result<Response<pb::BeginResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let cmd = BeginCmd::try_from(r)?;
+            let begun = l.begin(t, &cmd)?;
+            tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
+            Ok(convert::begin_response(&begun))
+        })
+        .await
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let rec = l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)?;
+            Ok(pb::HeartbeatResponse {
+                receipt: Some(convert::receipt(&rec, true)),
+            })
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        req: Request<pb::CompleteRequest>,
+    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let outcome = convert::outcome(r.outcome)?;
+            let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
+            Ok(pb::CompleteResponse {
+                receipt: Some(convert::receipt(&rec, true)),
+            })
+        })
+        .await
+    }
+
+    async fn reconcile(
+        &self,
+        req: Request<pb::ReconcileRequest>,
+    ) -> Result<Response<pb::ReconcileResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let finding = convert::finding(r.outcome)?;
+            let rec = l.reconcile(t, &r.effect_id, r.epoch, &r.evidence, finding)?;
+            tracing::info!(tenant = t, effect = %r.effect_id, state = rec.state, "effect reconciled");
+            Ok(pb::ReconcileResponse {
+                receipt: Some(convert::receipt(&rec, true)),
+            })
+        })
+        .await
+    }
+
+    async fn query_outcome(
+        &self,
+        req: Request<pb::QueryOutcomeRequest>,
+    ) -> Result<Response<pb::QueryOutcomeResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let key = convert::outcome_key(r.key)?;
+            Ok(match l.query_outcome(t, &key)? {
+                Some(rec) => pb::QueryOutcomeResponse {
+                    state: rec.state,
+                    receipt: Some(convert::receipt(&rec, true)),
+                },
+                None => pb::QueryOutcomeResponse {
+                    state: pb::EffectState::NotFound as i32,
+                    receipt: None,
+                },
+            })
+        })
+        .await
+    }
+
+    async fn list_effects(
+        &self,
+        req: Request<pb::ListEffectsRequest>,
+    ) -> Result<Response<pb::ListEffectsResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let (effects, next_page_token) = l.list_effects(t, &convert::list_query(r))?;
+            Ok(pb::ListEffectsResponse {
+                effects: effects.iter().map(|e| convert::receipt(e, true)).collect(),
+                next_page_token,
+            })
+        })
+        .await
+    }
+
+    async fn register_credential(
+        &self,
+        req: Request<pb::RegisterCredentialRequest>,
+    ) -> Result<Response<pb::RegisterCredentialResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let (cred, created) = l.register_credential(t, &convert::credential_def(r))?;
+            Ok(pb::RegisterCredentialResponse {
+                credential: Some(convert::credential_info(&cred)),
+                created,
+            })
+        })
+        .await
+    }
+
+    async fn get_credential(
+        &self,
+        req: Request<pb::GetCredentialRequest>,
+    ) -> Result<Response<pb::GetCredentialResponse>, Status> {
+        self.run(req, |l, t, r| {
+            let cred = l.get_credential(t, &r.token)?;
+            Ok(pb::GetCredentialResponse {
+                credential: Some(convert::credential_info(&cred)),
+            })
+        })
+        .await
+    }
+}

@@ -1,0 +1,302 @@
+//! The key encoding. Every key is a one-byte [`Kind`] prefix followed by fixed-width parts:
+//! 16-byte hashes of variable-length names and big-endian integers, so that byte order is the
+//! order the ledger scans in (a run's effects by sequence, a branch's log by position, expiry
+//! by time). Every key under a run starts with `kind || run_key`, and the run key is a hash of
+//! `(tenant, run_id)`: a tenant's records can only be addressed through its own tenant name.
+//!
+//! Prefix bytes are never reused: retire a kind by leaving its byte unused.
+
+/// Hash of `(tenant, run_id)`: the fixed-width identity of a run in keys.
+pub type RunKey = [u8; 16];
+/// Hash of a tenant name.
+pub type TenantKey = [u8; 16];
+/// Hash of a name (step key, checkpoint id, tool name).
+pub type NameKey = [u8; 16];
+
+/// The record kinds, in key order.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    /// Store metadata (format version).
+    Meta = 0x00,
+    /// A run: epoch, branches, pending replay tapes.
+    Run = 0x01,
+    /// An effect record, by run and sequence number.
+    Effect = 0x02,
+    /// Step key index: (run, branch, step key) -> effect.
+    StepKey = 0x03,
+    /// Intent index: (run, branch, intent fingerprint, occurrence) -> effect.
+    Intent = 0x04,
+    /// A branch's effect log: (run, branch, position) -> effect.
+    BranchLog = 0x05,
+    /// A checkpoint, by run and name.
+    Checkpoint = 0x06,
+    /// A restore event, by run and the epoch it created.
+    Restore = 0x07,
+    /// The current version of a tool, by tenant and name.
+    ToolHead = 0x08,
+    /// A tool version, by tenant, name and version.
+    Tool = 0x09,
+    /// A credential, by tenant and keyed hash.
+    Credential = 0x0A,
+    /// Expiry index: (expires_at, run, sequence) -> nothing.
+    Expiry = 0x0B,
+}
+
+fn hash16(context: &str, parts: &[&[u8]]) -> [u8; 16] {
+    let mut h = blake3::Hasher::new_derive_key(context);
+    for p in parts {
+        // Length-prefix every part so ("ab","c") and ("a","bc") differ.
+        h.update(&(p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    out
+}
+
+/// The run key of `(tenant, run_id)`.
+pub fn run_key(tenant: &str, run_id: &str) -> RunKey {
+    hash16("fence.v1 run key", &[tenant.as_bytes(), run_id.as_bytes()])
+}
+
+/// The key of a tenant name.
+pub fn tenant_key(tenant: &str) -> TenantKey {
+    hash16("fence.v1 tenant key", &[tenant.as_bytes()])
+}
+
+/// The key of a name within a run or tenant.
+pub fn name_key(name: &str) -> NameKey {
+    hash16("fence.v1 name key", &[name.as_bytes()])
+}
+
+struct KeyBuf(Vec<u8>);
+
+impl KeyBuf {
+    fn new(kind: Kind, cap: usize) -> Self {
+        let mut v = Vec::with_capacity(cap + 1);
+        v.push(kind as u8);
+        Self(v)
+    }
+    fn bytes(mut self, b: &[u8]) -> Self {
+        self.0.extend_from_slice(b);
+        self
+    }
+    fn u32(self, n: u32) -> Self {
+        self.bytes(&n.to_be_bytes())
+    }
+    fn u64(self, n: u64) -> Self {
+        self.bytes(&n.to_be_bytes())
+    }
+}
+
+/// The store-format metadata key.
+pub fn meta() -> Vec<u8> {
+    vec![Kind::Meta as u8]
+}
+
+/// A run record.
+pub fn run(rk: &RunKey) -> Vec<u8> {
+    KeyBuf::new(Kind::Run, 16).bytes(rk).0
+}
+
+/// An effect record.
+pub fn effect(rk: &RunKey, seq: u64) -> Vec<u8> {
+    KeyBuf::new(Kind::Effect, 24).bytes(rk).u64(seq).0
+}
+
+/// All effects of a run.
+pub fn effect_prefix(rk: &RunKey) -> Vec<u8> {
+    KeyBuf::new(Kind::Effect, 16).bytes(rk).0
+}
+
+/// The sequence number of an effect key.
+pub fn decode_effect(key: &[u8]) -> Option<(RunKey, u64)> {
+    if key.len() != 25 || key[0] != Kind::Effect as u8 {
+        return None;
+    }
+    let rk: RunKey = key[1..17].try_into().ok()?;
+    Some((rk, u64::from_be_bytes(key[17..25].try_into().ok()?)))
+}
+
+/// A step key index entry.
+pub fn step(rk: &RunKey, branch: u32, step_key: &str) -> Vec<u8> {
+    KeyBuf::new(Kind::StepKey, 36)
+        .bytes(rk)
+        .u32(branch)
+        .bytes(&name_key(step_key))
+        .0
+}
+
+/// An intent index entry.
+pub fn intent(rk: &RunKey, branch: u32, fp: &[u8; 32], occurrence: u32) -> Vec<u8> {
+    KeyBuf::new(Kind::Intent, 56)
+        .bytes(rk)
+        .u32(branch)
+        .bytes(fp)
+        .u32(occurrence)
+        .0
+}
+
+/// All occurrences of an intent on one branch.
+pub fn intent_prefix(rk: &RunKey, branch: u32, fp: &[u8; 32]) -> Vec<u8> {
+    KeyBuf::new(Kind::Intent, 52)
+        .bytes(rk)
+        .u32(branch)
+        .bytes(fp)
+        .0
+}
+
+/// A branch log entry.
+pub fn branch_log(rk: &RunKey, branch: u32, position: u64) -> Vec<u8> {
+    KeyBuf::new(Kind::BranchLog, 28)
+        .bytes(rk)
+        .u32(branch)
+        .u64(position)
+        .0
+}
+
+/// A branch's whole log.
+pub fn branch_log_prefix(rk: &RunKey, branch: u32) -> Vec<u8> {
+    KeyBuf::new(Kind::BranchLog, 20).bytes(rk).u32(branch).0
+}
+
+/// A checkpoint.
+pub fn checkpoint(rk: &RunKey, checkpoint_id: &str) -> Vec<u8> {
+    KeyBuf::new(Kind::Checkpoint, 32)
+        .bytes(rk)
+        .bytes(&name_key(checkpoint_id))
+        .0
+}
+
+/// All checkpoints of a run.
+pub fn checkpoint_prefix(rk: &RunKey) -> Vec<u8> {
+    KeyBuf::new(Kind::Checkpoint, 16).bytes(rk).0
+}
+
+/// A restore event.
+pub fn restore(rk: &RunKey, epoch: u64) -> Vec<u8> {
+    KeyBuf::new(Kind::Restore, 24).bytes(rk).u64(epoch).0
+}
+
+/// All restore events of a run.
+pub fn restore_prefix(rk: &RunKey) -> Vec<u8> {
+    KeyBuf::new(Kind::Restore, 16).bytes(rk).0
+}
+
+/// A tool's current-version pointer.
+pub fn tool_head(tk: &TenantKey, name: &str) -> Vec<u8> {
+    KeyBuf::new(Kind::ToolHead, 32)
+        .bytes(tk)
+        .bytes(&name_key(name))
+        .0
+}
+
+/// One version of a tool.
+pub fn tool(tk: &TenantKey, name: &str, version: u32) -> Vec<u8> {
+    KeyBuf::new(Kind::Tool, 36)
+        .bytes(tk)
+        .bytes(&name_key(name))
+        .u32(version)
+        .0
+}
+
+/// A credential.
+pub fn credential(tk: &TenantKey, hash: &[u8; 32]) -> Vec<u8> {
+    KeyBuf::new(Kind::Credential, 48).bytes(tk).bytes(hash).0
+}
+
+/// An expiry index entry.
+pub fn expiry(at_ms: u64, rk: &RunKey, seq: u64) -> Vec<u8> {
+    KeyBuf::new(Kind::Expiry, 32)
+        .u64(at_ms)
+        .bytes(rk)
+        .u64(seq)
+        .0
+}
+
+/// The whole expiry index.
+pub fn expiry_prefix() -> Vec<u8> {
+    vec![Kind::Expiry as u8]
+}
+
+/// Decodes an expiry index key.
+pub fn decode_expiry(key: &[u8]) -> Option<(u64, RunKey, u64)> {
+    if key.len() != 33 || key[0] != Kind::Expiry as u8 {
+        return None;
+    }
+    let at = u64::from_be_bytes(key[1..9].try_into().ok()?);
+    let rk: RunKey = key[9..25].try_into().ok()?;
+    let seq = u64::from_be_bytes(key[25..33].try_into().ok()?);
+    Some((at, rk, seq))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn kinds_are_distinct_and_ordered() {
+        let kinds = [
+            Kind::Meta,
+            Kind::Run,
+            Kind::Effect,
+            Kind::StepKey,
+            Kind::Intent,
+            Kind::BranchLog,
+            Kind::Checkpoint,
+            Kind::Restore,
+            Kind::ToolHead,
+            Kind::Tool,
+            Kind::Credential,
+            Kind::Expiry,
+        ];
+        for w in kinds.windows(2) {
+            assert!((w[0] as u8) < (w[1] as u8));
+        }
+    }
+
+    #[test]
+    fn runs_are_scoped_by_tenant() {
+        assert_ne!(run_key("a", "r"), run_key("b", "r"));
+        assert_ne!(run_key("ab", "c"), run_key("a", "bc"));
+        assert_eq!(run_key("a", "r"), run_key("a", "r"));
+    }
+
+    #[test]
+    fn prefixes_contain_their_keys() {
+        let rk = run_key("t", "r");
+        assert!(effect(&rk, 7).starts_with(&effect_prefix(&rk)));
+        let fp = [9u8; 32];
+        assert!(intent(&rk, 2, &fp, 3).starts_with(&intent_prefix(&rk, 2, &fp)));
+        assert!(branch_log(&rk, 2, 3).starts_with(&branch_log_prefix(&rk, 2)));
+        assert!(checkpoint(&rk, "c").starts_with(&checkpoint_prefix(&rk)));
+        assert!(restore(&rk, 2).starts_with(&restore_prefix(&rk)));
+        assert!(expiry(1, &rk, 2).starts_with(&expiry_prefix()));
+        // A neighbouring branch's log is not inside this branch's prefix.
+        assert!(!branch_log(&rk, 3, 0).starts_with(&branch_log_prefix(&rk, 2)));
+    }
+
+    proptest! {
+        #[test]
+        fn effect_keys_round_trip_and_sort_by_sequence(a in any::<u64>(), b in any::<u64>()) {
+            let rk = run_key("t", "r");
+            prop_assert_eq!(decode_effect(&effect(&rk, a)), Some((rk, a)));
+            prop_assert_eq!(a.cmp(&b), effect(&rk, a).cmp(&effect(&rk, b)));
+        }
+
+        #[test]
+        fn expiry_keys_round_trip_and_sort_by_time(a in any::<u64>(), b in any::<u64>(), s in any::<u64>()) {
+            let rk = run_key("t", "r");
+            prop_assert_eq!(decode_expiry(&expiry(a, &rk, s)), Some((a, rk, s)));
+            prop_assert_eq!(a.cmp(&b), expiry(a, &rk, s).cmp(&expiry(b, &rk, s)));
+        }
+
+        #[test]
+        fn log_positions_sort_numerically(a in any::<u64>(), b in any::<u64>()) {
+            let rk = run_key("t", "r");
+            prop_assert_eq!(a.cmp(&b), branch_log(&rk, 1, a).cmp(&branch_log(&rk, 1, b)));
+        }
+    }
+}

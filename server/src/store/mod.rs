@@ -1,0 +1,89 @@
+//! Storage: the narrow seam between the ledger and the bytes on disk.
+//!
+//! The ledger needs only point reads, bounded prefix scans and one atomic, durable batch per
+//! transition ([`Store`]). [`RocksStore`] is the embedded implementation; a distributed
+//! transactional store (TiKV, FoundationDB, a distributed SQL database) can implement the same
+//! trait. Keys are built in [`keys`]; values are versioned protobuf bodies ([`codec`]).
+
+pub mod codec;
+pub mod keys;
+mod rocks;
+
+pub use rocks::{RocksStore, StoreOptions};
+
+/// A storage failure. The ledger never acknowledges anything a failed write contained.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The engine refused or failed the operation (disk full, read-only, I/O error...).
+    #[error("storage engine error: {0}")]
+    Engine(String),
+    /// A stored value could not be decoded (corruption or a record from a newer version).
+    #[error("corrupt record under key {key}: {why}")]
+    Corrupt {
+        /// The key, hex-encoded.
+        key: String,
+        /// What failed.
+        why: String,
+    },
+}
+
+/// One write in a [`Batch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// Set `key` to `value`.
+    Put(Vec<u8>, Vec<u8>),
+    /// Remove `key`.
+    Delete(Vec<u8>),
+}
+
+/// The writes of one transition, applied atomically.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Batch {
+    ops: Vec<Op>,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a put.
+    pub fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.ops.push(Op::Put(key, value));
+    }
+
+    /// Adds a delete.
+    pub fn delete(&mut self, key: Vec<u8>) {
+        self.ops.push(Op::Delete(key));
+    }
+
+    /// True when there is nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// The writes, in order.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+}
+
+/// A key-value store with atomic durable batches: what the ledger needs from storage.
+///
+/// Contract: `write` returns only after the whole batch is durable (on RocksDB: WAL fsynced);
+/// a failed `write` applied nothing. Reads see every acknowledged write.
+pub trait Store: Send + Sync + 'static {
+    /// Reads one key.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Returns up to `limit` entries whose key starts with `prefix` and is `>= from`
+    /// (pass `prefix` itself to start at the beginning), in key order.
+    fn scan(
+        &self,
+        prefix: &[u8],
+        from: &[u8],
+        limit: usize,
+    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError>;
+    /// Applies the batch atomically and durably.
+    fn write(&self, batch: Batch) -> Result<(), StoreError>;
+}

@@ -1,0 +1,131 @@
+//! Shared harness for the ledger tests: a real RocksDB ledger in a temp dir with a manual clock.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use fence_server::clock::ManualClock;
+use fence_server::ledger::records::EffectRecord;
+use fence_server::ledger::{
+    BeginCmd, Decision, Ledger, LedgerConfig, LedgerError, OpClass, Reason, Refusal, ToolDef,
+};
+use fence_server::store::{RocksStore, Store, StoreOptions};
+
+pub const T: &str = "tenant-a";
+pub const LEASE: u64 = 10_000;
+pub const RETENTION: u64 = 3_600_000;
+
+pub struct Harness {
+    pub ledger: Ledger<RocksStore>,
+    pub clock: ManualClock,
+    pub dir: tempfile::TempDir,
+}
+
+pub fn harness() -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+    let config = LedgerConfig {
+        default_lease_ms: LEASE,
+        default_retention_ms: RETENTION,
+        credential_key: [7; 32],
+        ..LedgerConfig::default()
+    };
+    let ledger = Ledger::new(store, Arc::new(clock.clone()), config);
+    Harness { ledger, clock, dir }
+}
+
+impl Harness {
+    pub fn tool(&self, name: &str, class: OpClass, volatile: &[&str]) {
+        self.ledger
+            .register_tool(
+                T,
+                ToolDef {
+                    name: name.into(),
+                    class: class.code(),
+                    volatile_fields: volatile.iter().map(|s| s.to_string()).collect(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+    }
+
+    pub fn begin(&self, cmd: &BeginCmd) -> Decision {
+        self.ledger.begin(T, cmd).unwrap().decision
+    }
+
+    /// Every key and value in the store: to prove a refusal changed nothing.
+    pub fn snapshot(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+        self.ledger.store().scan(&[], &[], usize::MAX).unwrap()
+    }
+}
+
+pub fn call(run: &str, tool: &str, args: &str) -> BeginCmd {
+    BeginCmd {
+        run_id: run.into(),
+        tool: tool.into(),
+        arguments_json: args.into(),
+        ..Default::default()
+    }
+}
+
+pub fn keyed(run: &str, step: &str, tool: &str, args: &str) -> BeginCmd {
+    BeginCmd {
+        step_key: step.into(),
+        ..call(run, tool, args)
+    }
+}
+
+#[track_caller]
+pub fn executed(d: Decision) -> EffectRecord {
+    match d {
+        Decision::Execute { receipt, recorded } => {
+            assert!(recorded, "expected a recorded grant");
+            *receipt
+        }
+        other => panic!("expected Execute, got {other:?}"),
+    }
+}
+
+#[track_caller]
+pub fn replayed(d: Decision) -> EffectRecord {
+    match d {
+        Decision::Replay(r) => *r,
+        other => panic!("expected Replay, got {other:?}"),
+    }
+}
+
+#[track_caller]
+pub fn refused(d: Decision, reason: Reason) -> Refusal {
+    match d {
+        Decision::Refused(r) if r.reason == reason => *r,
+        other => panic!("expected refusal {reason:?}, got {other:?}"),
+    }
+}
+
+#[track_caller]
+pub fn refused_err<T: std::fmt::Debug>(r: Result<T, LedgerError>, reason: Reason) -> Refusal {
+    match r {
+        Err(LedgerError::Refused(x)) if x.reason == reason => *x,
+        other => panic!("expected refusal {reason:?}, got {other:?}"),
+    }
+}
+
+#[track_caller]
+pub fn invalid<T: std::fmt::Debug>(r: Result<T, LedgerError>, field: &str) {
+    match r {
+        Err(LedgerError::InvalidArgument { field: f, .. }) if f == field => {}
+        other => panic!("expected InvalidArgument on {field}, got {other:?}"),
+    }
+}
+
+pub fn complete(h: &Harness, rec: &EffectRecord, result: &str) -> EffectRecord {
+    h.ledger
+        .complete(
+            T,
+            &rec.id().to_string(),
+            rec.attempt,
+            0,
+            fence_server::ledger::Outcome::Completed(result.as_bytes().to_vec()),
+        )
+        .unwrap()
+}

@@ -1,0 +1,671 @@
+//! Checkpoint, restore and fork (the replay-or-fork rule) and the credential ledger
+//! (authority does not resurrect), against a real RocksDB ledger.
+
+mod common;
+
+use common::*;
+use fence_server::ledger::credentials::CredentialDef;
+use fence_server::ledger::outcome::{ListQuery, OutcomeKey};
+use fence_server::ledger::runs::{CheckpointCmd, ForkCmd};
+use fence_server::ledger::{BeginCmd, CredentialUse, Decision, OpClass, Reason, Recovery, State};
+
+const TRANSFER: &str = "bank.transfer";
+
+fn transfer(to: &str, amount: u32, reference: &str) -> String {
+    format!(r#"{{"to":"{to}","amount":{amount},"reference":"{reference}","ts":"{reference}-ts"}}"#)
+}
+
+fn setup() -> Harness {
+    let h = harness();
+    h.tool(TRANSFER, OpClass::NonRetryable, &["reference", "ts"]);
+    h.tool("kb.search", OpClass::SafeRetry, &[]);
+    h
+}
+
+fn checkpoint(h: &Harness, run: &str, branch: &str, epoch: u64, id: &str) {
+    h.ledger
+        .checkpoint(
+            T,
+            &CheckpointCmd {
+                run_id: run.into(),
+                branch: branch.into(),
+                epoch,
+                checkpoint_id: id.into(),
+            },
+        )
+        .unwrap();
+}
+
+fn on(epoch: u64, branch: &str, cmd: BeginCmd) -> BeginCmd {
+    BeginCmd {
+        epoch,
+        branch: branch.into(),
+        ..cmd
+    }
+}
+
+/// ACRFence scenario 1: transfer committed, crash, restore to a checkpoint before it, the model
+/// re-issues it with a new reference UUID and timestamp: REPLAY, one transfer in the world.
+#[test]
+fn a_restored_agent_reissuing_a_committed_transfer_gets_a_replay() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp-before-transfer");
+    let rec = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "uuid-1"))));
+    complete(&h, &rec, "tx-1");
+
+    let restored = h.ledger.restore(T, "run", "cp-before-transfer", 0).unwrap();
+    assert_eq!(restored.epoch, 2);
+    assert_eq!(restored.tape.len(), 1);
+    let again = replayed(h.begin(&on(
+        2,
+        "main",
+        call("run", TRANSFER, &transfer("bob", 100, "uuid-2")),
+    )));
+    assert_eq!(again.result, b"tx-1");
+    assert_eq!(again.last_replay_epoch, 2);
+    // The tape is consumed: the branch is back on the normal path.
+    let run = h.ledger.get_run(T, "run").unwrap();
+    assert!(run.run.branches[0].tape_seqs.is_empty());
+    let (effects, _) = h
+        .ledger
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(effects.len(), 1, "one transfer in the world");
+    // A new intent after the tape is consumed is a new effect.
+    executed(h.begin(&on(
+        2,
+        "",
+        call("run", TRANSFER, &transfer("dave", 5, "uuid-3")),
+    )));
+}
+
+/// ACRFence scenario 2: restored and redirected: FORK_REQUIRED until an explicit fork.
+#[test]
+fn a_redirected_call_after_restore_requires_a_fork_then_is_a_new_effect() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp1");
+    let first = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "u1"))));
+    complete(&h, &first, "tx-1");
+    h.ledger.restore(T, "run", "cp1", 0).unwrap();
+
+    let before = h.snapshot();
+    for redirected in [transfer("carol", 100, "u2"), transfer("bob", 1000, "u3")] {
+        let r = refused(
+            h.begin(&on(2, "", call("run", TRANSFER, &redirected))),
+            Reason::ForkRequired,
+        );
+        assert_eq!(r.recovery, Recovery::Fork);
+        assert_eq!(r.checkpoint_id, "cp1");
+        assert_eq!(r.receipt.unwrap().id(), first.id());
+    }
+    // Also with a step key that is not on the tape, and with "deliberate" set: fail closed.
+    refused(
+        h.begin(&on(
+            2,
+            "",
+            keyed("run", "new-step", TRANSFER, &transfer("carol", 1, "u")),
+        )),
+        Reason::ForkRequired,
+    );
+    refused(
+        h.begin(&on(
+            2,
+            "",
+            BeginCmd {
+                deliberate_repeat: true,
+                ..call("run", TRANSFER, &transfer("carol", 100, "u4"))
+            },
+        )),
+        Reason::ForkRequired,
+    );
+    assert_eq!(before, h.snapshot(), "refusals change nothing");
+
+    let branch = h
+        .ledger
+        .fork(
+            T,
+            &ForkCmd {
+                run_id: "run".into(),
+                checkpoint_id: "cp1".into(),
+                epoch: 2,
+                new_branch: "".into(),
+                reason: "pay carol instead".into(),
+            },
+        )
+        .unwrap();
+    assert_eq!(branch.name, "fork-1");
+    let carol = executed(h.begin(&on(
+        2,
+        &branch.name,
+        call("run", TRANSFER, &transfer("carol", 100, "u5")),
+    )));
+    assert_ne!(carol.downstream_key, first.downstream_key);
+    assert_eq!(carol.branch_name, "fork-1");
+    // The parent's effect stays done and listed; nothing is hidden.
+    let (all, _) = h
+        .ledger
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].state(), State::Completed);
+    // Forking again with the same name and origin is idempotent.
+    let again = h
+        .ledger
+        .fork(
+            T,
+            &ForkCmd {
+                run_id: "run".into(),
+                checkpoint_id: "cp1".into(),
+                epoch: 2,
+                new_branch: "fork-1".into(),
+                reason: String::new(),
+            },
+        )
+        .unwrap();
+    assert_eq!(again.name, "fork-1");
+}
+
+/// Matching by step key on the tape, and divergence at a keyed step.
+#[test]
+fn keyed_calls_match_the_tape_by_step_key() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp1");
+    let a = executed(h.begin(&keyed("run", "run:1", TRANSFER, &transfer("bob", 1, "a"))));
+    complete(&h, &a, "tx-a");
+    let b = executed(h.begin(&keyed("run", "run:2", TRANSFER, &transfer("bob", 2, "b"))));
+    complete(&h, &b, "tx-b");
+    h.ledger.restore(T, "run", "cp1", 0).unwrap();
+    // Out of order is fine for keyed calls.
+    assert_eq!(
+        replayed(h.begin(&on(
+            2,
+            "",
+            keyed("run", "run:2", TRANSFER, &transfer("bob", 2, "b2"))
+        )))
+        .result,
+        b"tx-b"
+    );
+    let r = refused(
+        h.begin(&on(
+            2,
+            "",
+            keyed("run", "run:1", TRANSFER, &transfer("eve", 1, "a2")),
+        )),
+        Reason::ForkRequired,
+    );
+    assert_eq!(r.receipt.unwrap().id(), a.id());
+    assert_eq!(
+        replayed(h.begin(&on(
+            2,
+            "",
+            keyed("run", "run:1", TRANSFER, &transfer("bob", 1, "a3"))
+        )))
+        .result,
+        b"tx-a"
+    );
+    // A consumed keyed step replays on the normal path too.
+    replayed(h.begin(&on(
+        2,
+        "",
+        keyed("run", "run:2", TRANSFER, &transfer("bob", 2, "b9")),
+    )));
+}
+
+/// The n-th identical intent matches the n-th recorded one.
+#[test]
+fn identical_intents_on_the_tape_match_by_occurrence() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp1");
+    let one = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 5, "x1"))));
+    complete(&h, &one, "tx-1");
+    let two = executed(h.begin(&BeginCmd {
+        deliberate_repeat: true,
+        ..call("run", TRANSFER, &transfer("bob", 5, "x2"))
+    }));
+    complete(&h, &two, "tx-2");
+    h.ledger.restore(T, "run", "cp1", 0).unwrap();
+    assert_eq!(
+        replayed(h.begin(&on(2, "", call("run", TRANSFER, &transfer("bob", 5, "y1"))))).result,
+        b"tx-1"
+    );
+    assert_eq!(
+        replayed(h.begin(&on(2, "", call("run", TRANSFER, &transfer("bob", 5, "y2"))))).result,
+        b"tx-2"
+    );
+    // A third identical call is back on the normal path: a suspected duplicate.
+    refused(
+        h.begin(&on(2, "", call("run", TRANSFER, &transfer("bob", 5, "y3")))),
+        Reason::DuplicateIntent,
+    );
+}
+
+/// Read-only calls pass through a pending tape and never sit on it.
+#[test]
+fn safe_retry_calls_pass_a_pending_tape() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp1");
+    let t = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 1, "a"))));
+    complete(&h, &t, "tx");
+    executed(h.begin(&BeginCmd {
+        record: true,
+        ..call("run", "kb.search", r#"{"q":"balance"}"#)
+    }));
+    let restored = h.ledger.restore(T, "run", "cp1", 0).unwrap();
+    assert_eq!(
+        restored.tape.len(),
+        1,
+        "the recorded read is not on the tape"
+    );
+    assert!(matches!(
+        h.begin(&on(2, "", call("run", "kb.search", r#"{"q":"other"}"#))),
+        Decision::Execute {
+            recorded: false,
+            ..
+        }
+    ));
+    replayed(h.begin(&on(2, "", call("run", TRANSFER, &transfer("bob", 1, "b")))));
+}
+
+/// A zombie from before the restore can do nothing.
+#[test]
+fn stale_epochs_are_refused_and_change_nothing() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp1");
+    let rec = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 1, "a"))));
+    h.ledger.restore(T, "run", "cp1", 1).unwrap();
+    let before = h.snapshot();
+    for epoch in [0, 1] {
+        let r = refused(
+            h.begin(&on(
+                epoch,
+                "",
+                call("run", TRANSFER, &transfer("zed", 9, "z")),
+            )),
+            Reason::StaleEpoch,
+        );
+        assert_eq!(r.current_epoch, 2);
+        assert_eq!(r.recovery, Recovery::RefreshEpoch);
+        refused_err(
+            h.ledger.complete(
+                T,
+                &rec.id().to_string(),
+                1,
+                epoch,
+                fence_server::ledger::Outcome::Completed(b"x".to_vec()),
+            ),
+            Reason::StaleEpoch,
+        );
+        refused_err(
+            h.ledger.heartbeat(T, &rec.id().to_string(), 1, epoch, 0),
+            Reason::StaleEpoch,
+        );
+        refused_err(
+            h.ledger.fork(
+                T,
+                &ForkCmd {
+                    run_id: "run".into(),
+                    checkpoint_id: "cp1".into(),
+                    epoch,
+                    ..Default::default()
+                },
+            ),
+            Reason::StaleEpoch,
+        );
+        refused_err(
+            h.ledger.checkpoint(
+                T,
+                &CheckpointCmd {
+                    run_id: "run".into(),
+                    branch: "".into(),
+                    epoch,
+                    checkpoint_id: "z".into(),
+                },
+            ),
+            Reason::StaleEpoch,
+        );
+    }
+    refused(
+        h.begin(&on(3, "", call("run", TRANSFER, &transfer("zed", 9, "z")))),
+        Reason::UnknownEpoch,
+    );
+    // A compare-and-set restore with the wrong epoch loses.
+    refused_err(h.ledger.restore(T, "run", "cp1", 1), Reason::StaleEpoch);
+    assert_eq!(before, h.snapshot());
+}
+
+/// ACRFence scenario 4: five crash-restore cycles in a row, still one effect.
+#[test]
+fn five_crash_restore_cycles_still_make_one_effect() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp1");
+    let rec = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "u0"))));
+    complete(&h, &rec, "tx-1");
+    for cycle in 1..=5u64 {
+        let restored = h.ledger.restore(T, "run", "cp1", 0).unwrap();
+        assert_eq!(restored.epoch, cycle + 1);
+        let again = replayed(h.begin(&on(
+            restored.epoch,
+            "",
+            call("run", TRANSFER, &transfer("bob", 100, &format!("u{cycle}"))),
+        )));
+        assert_eq!(again.id(), rec.id());
+        // Sometimes the agent crashes right after the replay and checkpoints nothing new.
+    }
+    let (all, _) = h
+        .ledger
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].replays, 5);
+    assert_eq!(h.ledger.get_run(T, "run").unwrap().restores.len(), 5);
+}
+
+/// A restore while the agent is mid-tape: a checkpoint taken during replay sits at the agent's
+/// logical position, so restoring to it replays the rest of the tape.
+#[test]
+fn a_checkpoint_taken_during_replay_sits_at_the_logical_position() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp0");
+    for (i, to) in ["a", "b", "c"].iter().enumerate() {
+        let r = executed(h.begin(&call("run", TRANSFER, &transfer(to, 1, &i.to_string()))));
+        complete(&h, &r, to);
+    }
+    h.ledger.restore(T, "run", "cp0", 0).unwrap();
+    replayed(h.begin(&on(2, "", call("run", TRANSFER, &transfer("a", 1, "x")))));
+    checkpoint(&h, "run", "", 2, "cp-mid");
+    let cp = h
+        .ledger
+        .get_run(T, "run")
+        .unwrap()
+        .checkpoints
+        .into_iter()
+        .find(|c| c.checkpoint_id == "cp-mid")
+        .unwrap();
+    assert_eq!(cp.position, 1);
+    let restored = h.ledger.restore(T, "run", "cp-mid", 0).unwrap();
+    assert_eq!(restored.tape.len(), 2);
+    assert_eq!(
+        replayed(h.begin(&on(3, "", call("run", TRANSFER, &transfer("b", 1, "y"))))).result,
+        b"b"
+    );
+}
+
+/// A fork's lineage is the parent's log up to the fork point, plus its own.
+#[test]
+fn a_fork_sees_its_parent_before_the_fork_point_only() {
+    let h = setup();
+    let early = executed(h.begin(&keyed("run", "s1", TRANSFER, &transfer("bob", 1, "a"))));
+    complete(&h, &early, "tx-early");
+    checkpoint(&h, "run", "", 0, "cp1");
+    let late = executed(h.begin(&keyed("run", "s2", TRANSFER, &transfer("bob", 2, "b"))));
+    complete(&h, &late, "tx-late");
+    h.ledger
+        .fork(
+            T,
+            &ForkCmd {
+                run_id: "run".into(),
+                checkpoint_id: "cp1".into(),
+                epoch: 1,
+                new_branch: "alt".into(),
+                reason: "try".into(),
+            },
+        )
+        .unwrap();
+    // Before the fork point: visible, replays.
+    assert_eq!(
+        replayed(h.begin(&on(
+            1,
+            "alt",
+            keyed("run", "s1", TRANSFER, &transfer("bob", 1, "z"))
+        )))
+        .result,
+        b"tx-early"
+    );
+    refused(
+        h.begin(&on(
+            1,
+            "alt",
+            call("run", TRANSFER, &transfer("bob", 1, "z")),
+        )),
+        Reason::DuplicateIntent,
+    );
+    // After the fork point: not on this lineage, so a new effect on the new branch.
+    let fresh = executed(h.begin(&on(
+        1,
+        "alt",
+        keyed("run", "s2", TRANSFER, &transfer("bob", 2, "c")),
+    )));
+    assert_ne!(fresh.id(), late.id());
+    // Unknown branch / checkpoint.
+    refused(
+        h.begin(&on(1, "nope", call("run", TRANSFER, "{}"))),
+        Reason::UnknownRecord,
+    );
+    refused_err(
+        h.ledger.restore(T, "run", "missing", 0),
+        Reason::UnknownRecord,
+    );
+}
+
+fn token(t: &str) -> Vec<CredentialUse> {
+    vec![CredentialUse {
+        token: t.as_bytes().to_vec(),
+        budget: 1,
+    }]
+}
+
+/// ACRFence scenario 3: a one-time token spent before the restore stays spent, on the restored
+/// branch and on a fork.
+#[test]
+fn a_spent_one_time_token_stays_spent_across_restore_and_fork() {
+    let h = setup();
+    h.tool("cloud.delete", OpClass::NonRetryable, &["request_id"]);
+    checkpoint(&h, "run", "", 0, "cp1");
+    let del = executed(h.begin(&BeginCmd {
+        credentials: token("otp-123"),
+        ..call("run", "cloud.delete", r#"{"vm":"prod-1","request_id":"a"}"#)
+    }));
+    complete(&h, &del, "deleted");
+    let cred = h.ledger.get_credential(T, b"otp-123").unwrap();
+    assert_eq!((cred.uses, cred.budget), (1, 1));
+
+    h.ledger.restore(T, "run", "cp1", 0).unwrap();
+    // The exact replay of the effect that spent it gets the recorded result, not a new use...
+    let again = replayed(h.begin(&on(
+        2,
+        "",
+        BeginCmd {
+            credentials: token("otp-123"),
+            ..call("run", "cloud.delete", r#"{"vm":"prod-1","request_id":"b"}"#)
+        },
+    )));
+    assert_eq!(again.result, b"deleted");
+    assert_eq!(h.ledger.get_credential(T, b"otp-123").unwrap().uses, 1);
+    // ...but any other use is refused, before FORK_REQUIRED.
+    let before = h.snapshot();
+    let r = refused(
+        h.begin(&on(
+            2,
+            "",
+            BeginCmd {
+                credentials: token("otp-123"),
+                ..call("run", "cloud.delete", r#"{"vm":"prod-2","request_id":"c"}"#)
+            },
+        )),
+        Reason::CredentialConsumed,
+    );
+    assert_eq!(r.recovery, Recovery::Reauthenticate);
+    assert_eq!(r.receipt.unwrap().id(), del.id());
+    assert_eq!(before, h.snapshot());
+
+    // On a fork from before the spend, even the identical call is a new effect: refused.
+    h.ledger
+        .fork(
+            T,
+            &ForkCmd {
+                run_id: "run".into(),
+                checkpoint_id: "cp1".into(),
+                epoch: 2,
+                new_branch: "f".into(),
+                reason: "".into(),
+            },
+        )
+        .unwrap();
+    refused(
+        h.begin(&on(
+            2,
+            "f",
+            BeginCmd {
+                credentials: token("otp-123"),
+                ..call("run", "cloud.delete", r#"{"vm":"prod-1","request_id":"d"}"#)
+            },
+        )),
+        Reason::CredentialConsumed,
+    );
+    // In another run too: a credential belongs to the tenant, not to a run.
+    refused(
+        h.begin(&BeginCmd {
+            credentials: token("otp-123"),
+            ..call("other-run", "cloud.delete", r#"{"vm":"prod-1"}"#)
+        }),
+        Reason::CredentialConsumed,
+    );
+    // Another tenant's identical token is another credential.
+    assert!(matches!(
+        h.ledger
+            .begin(
+                "tenant-b",
+                &BeginCmd {
+                    credentials: token("otp-123"),
+                    ..call("run", "cloud.delete", r#"{"vm":"prod-1"}"#)
+                }
+            )
+            .unwrap()
+            .decision,
+        Decision::Execute { .. }
+    ));
+}
+
+/// The permission-prompt pattern: an approval bound to one exact call runs it once; the second
+/// identical call replays the first's result.
+#[test]
+fn an_approved_call_runs_once_and_its_repeat_replays() {
+    let h = setup();
+    h.tool("fs.delete", OpClass::NonRetryable, &["request_id"]);
+    let (cred, created) = h
+        .ledger
+        .register_credential(
+            T,
+            &CredentialDef {
+                token: b"approval-7".to_vec(),
+                budget: 1,
+                bound_tool: "fs.delete".into(),
+                bound_arguments_json: r#"{"path":"/tmp/x"}"#.into(),
+            },
+        )
+        .unwrap();
+    assert!(created && cred.uses == 0);
+    let approved = || BeginCmd {
+        credentials: token("approval-7"),
+        ..call("run", "fs.delete", r#"{"path":"/tmp/x","request_id":"r1"}"#)
+    };
+    let rec = executed(h.begin(&approved()));
+    complete(&h, &rec, "deleted");
+    let second = replayed(h.begin(&BeginCmd {
+        arguments_json: r#"{"request_id":"r2","path":"/tmp/x"}"#.into(),
+        ..approved()
+    }));
+    assert_eq!(second.id(), rec.id());
+    // The approval is for that exact call only.
+    refused(
+        h.begin(&BeginCmd {
+            arguments_json: r#"{"path":"/etc"}"#.into(),
+            ..approved()
+        }),
+        Reason::CredentialMismatch,
+    );
+    refused(
+        h.begin(&BeginCmd {
+            tool: "other".into(),
+            ..approved()
+        }),
+        Reason::CredentialMismatch,
+    );
+}
+
+#[test]
+fn multi_use_credentials_are_spent_up_to_their_budget() {
+    let h = setup();
+    h.ledger
+        .register_credential(
+            T,
+            &CredentialDef {
+                token: b"api-3".to_vec(),
+                budget: 3,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    for i in 0..3 {
+        executed(h.begin(&BeginCmd {
+            credentials: token("api-3"),
+            ..call("run", "t", &format!("{i}"))
+        }));
+    }
+    refused(
+        h.begin(&BeginCmd {
+            credentials: token("api-3"),
+            ..call("run", "t", "9")
+        }),
+        Reason::CredentialConsumed,
+    );
+    let c = h.ledger.get_credential(T, b"api-3").unwrap();
+    assert_eq!((c.uses, c.spent_by.len()), (3, 3));
+}
+
+#[test]
+fn raw_credentials_are_never_stored() {
+    let h = setup();
+    let secret = b"super-secret-token-value";
+    executed(h.begin(&BeginCmd {
+        credentials: vec![CredentialUse {
+            token: secret.to_vec(),
+            budget: 1,
+        }],
+        ..call("run", "t", "{}")
+    }));
+    for (k, v) in h.snapshot() {
+        assert!(!k.windows(secret.len()).any(|w| w == secret));
+        assert!(!v.windows(secret.len()).any(|w| w == secret));
+    }
+    let q = h
+        .ledger
+        .query_outcome(
+            T,
+            &OutcomeKey::StepKey {
+                run_id: "run".into(),
+                branch: "".into(),
+                step_key: "x".into(),
+            },
+        )
+        .unwrap();
+    assert!(q.is_none());
+}
