@@ -48,6 +48,26 @@ pub struct Config {
     #[arg(long, env = "FENCE_AUTH_TOKENS_FILE")]
     pub auth_tokens_file: Option<PathBuf>,
 
+    /// PEM certificate chain for TLS. With `--tls-key`, the server accepts only TLS.
+    #[arg(long, env = "FENCE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key for TLS.
+    #[arg(long, env = "FENCE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS).
+    #[arg(long, env = "FENCE_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Sustained requests per second allowed per tenant (0 = unlimited).
+    #[arg(long, env = "FENCE_TENANT_RATE_LIMIT", default_value_t = 0)]
+    pub tenant_rate_limit: u32,
+
+    /// Burst size of the per-tenant rate limit (0 = one second's worth).
+    #[arg(long, env = "FENCE_TENANT_BURST", default_value_t = 0)]
+    pub tenant_burst: u32,
+
     /// Maximum bytes of a call's JSON arguments.
     #[arg(long, env = "FENCE_MAX_ARGUMENTS_BYTES", default_value_t = 1 << 20)]
     pub max_arguments_bytes: usize,

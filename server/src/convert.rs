@@ -368,6 +368,7 @@ pub fn list_query(r: pb::ListEffectsRequest) -> ListQuery {
         saga_id: r.saga_id,
         page_size: r.page_size,
         page_token: r.page_token,
+        lineage: r.lineage,
     }
 }
 

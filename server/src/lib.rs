@@ -6,7 +6,8 @@
 //! - [`ledger`]: the state machine (plain Rust): classes, states, leases, the replay-or-fork
 //!   decision, checkpoints/restores/forks, credentials, retention;
 //! - [`service`], [`convert`], [`status`]: the thin gRPC layer and the one error mapping;
-//! - [`auth`], [`config`], [`server`]: tenants and tokens, settings, wiring and shutdown.
+//! - [`auth`], [`quota`], [`config`], [`server`]: tenants and tokens, per-tenant rate limits,
+//!   settings, wiring and shutdown.
 
 pub mod auth;
 pub mod canonical;
@@ -14,10 +15,11 @@ pub mod clock;
 pub mod config;
 pub mod convert;
 pub mod ledger;
+pub mod quota;
 pub mod server;
 pub mod service;
 pub mod status;
 pub mod store;
 
 pub use config::Config;
-pub use server::{ServeError, serve, serve_ledger};
+pub use server::{ServeError, ServeOptions, serve, serve_ledger, serve_ledger_with};

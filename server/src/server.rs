@@ -12,8 +12,10 @@ use fence_proto::v1::fence_server::FenceServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
-use crate::auth::{Auth, AuthConfigError};
+use crate::auth::{Auth, AuthConfigError, tenant_of};
+use crate::quota::TenantRateLimit;
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::ledger::{Ledger, LedgerConfig, Limits};
@@ -43,6 +45,14 @@ pub enum ServeError {
     /// The reflection service could not be built.
     #[error("reflection service: {0}")]
     Reflection(String),
+    /// A TLS file could not be read.
+    #[error("TLS file {path}: {why}")]
+    Tls {
+        /// The path.
+        path: String,
+        /// What failed.
+        why: String,
+    },
     /// A background task panicked.
     #[error("internal task failed: {0}")]
     Task(String),
@@ -122,6 +132,37 @@ pub fn auth_from(config: &Config) -> Result<Auth, ServeError> {
     }
 }
 
+/// The TLS settings `config` asks for (None = plaintext).
+pub fn tls_from(config: &Config) -> Result<Option<ServerTlsConfig>, ServeError> {
+    let read = |p: &std::path::PathBuf| {
+        std::fs::read(p).map_err(|e| ServeError::Tls {
+            path: p.display().to_string(),
+            why: e.to_string(),
+        })
+    };
+    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
+        return Ok(None);
+    };
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
+    if let Some(ca) = &config.tls_client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(Some(tls))
+}
+
+/// How to serve a ledger.
+#[derive(Clone)]
+pub struct ServeOptions {
+    /// Authentication.
+    pub auth: Auth,
+    /// How often the retention sweep runs.
+    pub sweep_interval: Duration,
+    /// TLS (None = plaintext).
+    pub tls: Option<ServerTlsConfig>,
+    /// Per-tenant request rate limit (None = unlimited).
+    pub rate_limit: Option<Arc<TenantRateLimit>>,
+}
+
 /// Serves until `shutdown` resolves, then drains in-flight calls and closes the store.
 pub async fn serve(
     listener: TcpListener,
@@ -129,21 +170,28 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let auth = auth_from(&config)?;
+    let tls = tls_from(&config)?;
     let cfg = config.clone();
     let ledger = tokio::task::spawn_blocking(move || open_ledger(&cfg, Arc::new(SystemClock)))
         .await
         .map_err(|e| ServeError::Task(e.to_string()))??;
-    serve_ledger(
-        listener,
-        Arc::new(ledger),
+    let rate_limit = (config.tenant_rate_limit > 0).then(|| {
+        let burst = match config.tenant_burst {
+            0 => config.tenant_rate_limit,
+            b => b,
+        };
+        Arc::new(TenantRateLimit::new(config.tenant_rate_limit, burst))
+    });
+    let opts = ServeOptions {
         auth,
-        Duration::from_millis(config.sweep_interval_ms.max(1)),
-        shutdown,
-    )
-    .await
+        sweep_interval: Duration::from_millis(config.sweep_interval_ms.max(1)),
+        tls,
+        rate_limit,
+    };
+    serve_ledger_with(listener, Arc::new(ledger), opts, shutdown).await
 }
 
-/// Serves an already opened ledger (embedding and tests with an injected clock).
+/// Serves an already opened ledger in plaintext (embedding and tests with an injected clock).
 pub async fn serve_ledger(
     listener: TcpListener,
     ledger: Arc<Ledger<RocksStore>>,
@@ -151,6 +199,28 @@ pub async fn serve_ledger(
     sweep_interval: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    let opts = ServeOptions {
+        auth,
+        sweep_interval,
+        tls: None,
+        rate_limit: None,
+    };
+    serve_ledger_with(listener, ledger, opts, shutdown).await
+}
+
+/// Serves an already opened ledger with `opts`.
+pub async fn serve_ledger_with(
+    listener: TcpListener,
+    ledger: Arc<Ledger<RocksStore>>,
+    opts: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let ServeOptions {
+        auth,
+        sweep_interval,
+        tls,
+        rate_limit,
+    } = opts;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<FenceServer<FenceService<RocksStore>>>()
@@ -168,11 +238,21 @@ pub async fn serve_ledger(
             // the precise limits with a field-level error.
             .max_decoding_message_size(16 << 20)
             .max_encoding_message_size(64 << 20),
-        move |req| auth.authenticate(req),
+        move |req| {
+            let req = auth.authenticate(req)?;
+            if let Some(limit) = &rate_limit {
+                limit.check(&tenant_of(&req)?)?;
+            }
+            Ok(req)
+        },
     );
 
-    tracing::info!(addr = ?listener.local_addr().ok(), "serving fence.v1");
-    let result = tonic::transport::Server::builder()
+    tracing::info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "serving fence.v1");
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    let result = builder
         .add_service(health_service)
         .add_service(reflection)
         .add_service(fence)

@@ -33,6 +33,10 @@ pub struct Options {
     pub auth: Auth,
     /// Ledger settings.
     pub ledger: LedgerConfig,
+    /// TLS (None = plaintext).
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// Per-tenant rate limit.
+    pub rate_limit: Option<Arc<fence_server::quota::TenantRateLimit>>,
 }
 
 impl Default for Options {
@@ -43,6 +47,8 @@ impl Default for Options {
                 credential_key: [3; 32],
                 ..LedgerConfig::default()
             },
+            tls: None,
+            rate_limit: None,
         }
     }
 }
@@ -77,15 +83,15 @@ impl TestServer {
         .expect("open store");
         let (tx, rx) = oneshot::channel::<()>();
         let handle = tokio::spawn(async move {
-            fence_server::serve_ledger(
-                listener,
-                Arc::new(ledger),
-                opts.auth,
-                Duration::from_millis(50),
-                async {
-                    let _ = rx.await;
-                },
-            )
+            let serve = fence_server::ServeOptions {
+                auth: opts.auth,
+                sweep_interval: Duration::from_millis(50),
+                tls: opts.tls,
+                rate_limit: opts.rate_limit,
+            };
+            fence_server::serve_ledger_with(listener, Arc::new(ledger), serve, async {
+                let _ = rx.await;
+            })
             .await
             .expect("server");
         });

@@ -53,6 +53,8 @@ pub struct ListQuery {
     pub page_size: u32,
     /// Cursor from the previous page ("" = start).
     pub page_token: String,
+    /// With `branch`: the branch's whole lineage, not just its own effects.
+    pub lineage: bool,
 }
 
 fn refuse(
@@ -495,14 +497,20 @@ impl<S: Store> Ledger<S> {
 
     /// A page of a run's effects in recording order, and the next page's cursor ("" = done).
     pub fn list_effects(&self, tenant: &str, q: &ListQuery) -> Result<(Vec<EffectRecord>, String)> {
-        let (rk, _run, branch) = if q.branch.is_empty() {
+        // Which (branch, visible positions) to keep; None = everything.
+        let (rk, visible): (RunKey, Option<Vec<(u32, u64)>>) = if q.branch.is_empty() {
             self.check_id("run_id", &q.run_id)?;
             let rk = keys::run_key(tenant, &q.run_id);
-            let run = self.require_run(&rk, tenant, &q.run_id)?;
-            (rk, run, None)
+            self.require_run(&rk, tenant, &q.run_id)?;
+            (rk, None)
         } else {
             let (rk, run, b) = self.lineage_for_query(tenant, &q.run_id, &q.branch)?;
-            (rk, run, Some(b))
+            let visible = if q.lineage {
+                run.lineage(b)
+            } else {
+                vec![(b, u64::MAX)]
+            };
+            (rk, Some(visible))
         };
         if !q.saga_id.is_empty() {
             self.check_id("saga_id", &q.saga_id)?;
@@ -527,7 +535,10 @@ impl<S: Store> Ledger<S> {
             for (k, v) in chunk {
                 let rec: EffectRecord = codec::decode(&k, &v)?;
                 cursor = rec.seq + 1;
-                let keep = branch.is_none_or(|b| rec.branch == b)
+                let keep = visible.as_ref().is_none_or(|v| {
+                    v.iter()
+                        .any(|&(b, limit)| b == rec.branch && rec.position < limit)
+                })
                     && (q.saga_id.is_empty() || rec.saga_id == q.saga_id);
                 if keep {
                     if out.len() == page_size {
