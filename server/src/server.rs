@@ -15,10 +15,10 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::auth::{Auth, AuthConfigError, tenant_of};
-use crate::quota::TenantRateLimit;
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::ledger::{Ledger, LedgerConfig, Limits};
+use crate::quota::TenantRateLimit;
 use crate::service::FenceService;
 use crate::store::{RocksStore, StoreError, StoreOptions};
 

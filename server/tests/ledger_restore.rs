@@ -457,12 +457,30 @@ fn a_fork_sees_its_parent_before_the_fork_point_only() {
     // The lineage view: the parent's effects before the fork point, then the branch's own.
     let (lineage, _) = h
         .ledger
-        .list_effects(T, &ListQuery { run_id: "run".into(), branch: "alt".into(), lineage: true, ..Default::default() })
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                branch: "alt".into(),
+                lineage: true,
+                ..Default::default()
+            },
+        )
         .unwrap();
-    assert_eq!(lineage.iter().map(|e| e.id()).collect::<Vec<_>>(), vec![early.id(), fresh.id()]);
+    assert_eq!(
+        lineage.iter().map(|e| e.id()).collect::<Vec<_>>(),
+        vec![early.id(), fresh.id()]
+    );
     let (own, _) = h
         .ledger
-        .list_effects(T, &ListQuery { run_id: "run".into(), branch: "alt".into(), ..Default::default() })
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                branch: "alt".into(),
+                ..Default::default()
+            },
+        )
         .unwrap();
     assert_eq!(own.len(), 1);
     // Unknown branch / checkpoint.

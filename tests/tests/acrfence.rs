@@ -34,7 +34,7 @@ async fn setup(srv: &TestServer) -> Client {
 /// What a model re-generates after a restore: same intent, fresh UUID and timestamp, keys in
 /// another order.
 fn transfer(to: &str, amount: u64, n: u32) -> String {
-    if n % 2 == 0 {
+    if n.is_multiple_of(2) {
         format!(
             r#"{{"to":"{to}","amount":{amount},"reference":"ref-{n}","timestamp":"2026-12-02T10:{n:02}:00Z"}}"#
         )

@@ -381,11 +381,23 @@ async fn a_graceful_restart_keeps_everything() {
 #[tokio::test]
 async fn a_tenant_over_its_rate_gets_resource_exhausted_and_others_do_not() {
     let limit = std::sync::Arc::new(fence_server::quota::TenantRateLimit::new(1, 3));
-    let srv = TestServer::start_with(Options { rate_limit: Some(limit), ..Options::default() }).await;
+    let srv = TestServer::start_with(Options {
+        rate_limit: Some(limit),
+        ..Options::default()
+    })
+    .await;
     let mut c = srv.client().await;
     let mut refused = None;
     for i in 0..6 {
-        match c.start_run(as_tenant("noisy", pb::StartRunRequest { run_id: format!("r{i}") })).await {
+        match c
+            .start_run(as_tenant(
+                "noisy",
+                pb::StartRunRequest {
+                    run_id: format!("r{i}"),
+                },
+            ))
+            .await
+        {
             Ok(_) => {}
             Err(s) => {
                 refused = Some((i, s));
@@ -398,5 +410,10 @@ async fn a_tenant_over_its_rate_gets_resource_exhausted_and_others_do_not() {
     assert_eq!(s.code(), Code::ResourceExhausted);
     assert_eq!(reason_of(&s).as_deref(), Some("LIMIT_EXCEEDED"));
     // Other tenants keep their own budget.
-    c.start_run(as_tenant("quiet", pb::StartRunRequest { run_id: "r".into() })).await.unwrap();
+    c.start_run(as_tenant(
+        "quiet",
+        pb::StartRunRequest { run_id: "r".into() },
+    ))
+    .await
+    .unwrap();
 }

@@ -25,7 +25,10 @@ fn issue(ca: &CertifiedIssuer<'_, KeyPair>, name: &str) -> (String, String) {
 fn new_ca() -> CertifiedIssuer<'static, KeyPair> {
     let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
 }
 
@@ -45,10 +48,18 @@ async fn server(pki: &Pki, mutual: bool) -> TestServer {
     if mutual {
         tls = tls.client_ca_root(Certificate::from_pem(&pki.ca));
     }
-    TestServer::start_with(Options { tls: Some(tls), ..Options::default() }).await
+    TestServer::start_with(Options {
+        tls: Some(tls),
+        ..Options::default()
+    })
+    .await
 }
 
-async fn connect(srv: &TestServer, pki: &Pki, identity: Option<&(String, String)>) -> Result<FenceClient<Channel>, tonic::transport::Error> {
+async fn connect(
+    srv: &TestServer,
+    pki: &Pki,
+    identity: Option<&(String, String)>,
+) -> Result<FenceClient<Channel>, tonic::transport::Error> {
     let mut tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&pki.ca))
         .domain_name("localhost");
@@ -56,12 +67,18 @@ async fn connect(srv: &TestServer, pki: &Pki, identity: Option<&(String, String)
         tls = tls.identity(Identity::from_pem(cert, key));
     }
     let url = srv.url.replace("http://", "https://");
-    let channel = Channel::from_shared(url).unwrap().tls_config(tls)?.connect().await?;
+    let channel = Channel::from_shared(url)
+        .unwrap()
+        .tls_config(tls)?
+        .connect()
+        .await?;
     Ok(FenceClient::new(channel))
 }
 
 async fn works(c: &mut FenceClient<Channel>) -> bool {
-    c.start_run(pb::StartRunRequest { run_id: "r".into() }).await.is_ok()
+    c.start_run(pb::StartRunRequest { run_id: "r".into() })
+        .await
+        .is_ok()
 }
 
 #[tokio::test]

@@ -120,7 +120,7 @@ enum Gate {
     /// Every credential may be spent; the records to update.
     Pass(Vec<CredentialRecord>),
     /// A spent credential presented by the exact replay of the effect that spent it.
-    ExactReplay(EffectRecord),
+    ExactReplay(Box<EffectRecord>),
     /// Refused.
     Refused(Refusal),
 }
@@ -233,7 +233,7 @@ impl<S: Store> Ledger<S> {
                     Gate::Pass(creds) => creds,
                     Gate::ExactReplay(rec) => {
                         let tape = rec.branch == call.branch && call.in_tape(rec.seq);
-                        return self.answer_existing(call, rec, tape);
+                        return self.answer_existing(call, *rec, tape);
                     }
                     Gate::Refused(refusal) => return Ok(refusal.into()),
                 };
@@ -528,7 +528,7 @@ impl<S: Store> Ledger<S> {
                     }
                     let rec = self.load_seq(&call.rk, spent.seq)?;
                     if call.same_intent(&rec) && call.visible(&rec) {
-                        return Ok(Gate::ExactReplay(rec));
+                        return Ok(Gate::ExactReplay(Box::new(rec)));
                     }
                 }
                 let mut refusal = Refusal::new(

@@ -538,8 +538,7 @@ impl<S: Store> Ledger<S> {
                 let keep = visible.as_ref().is_none_or(|v| {
                     v.iter()
                         .any(|&(b, limit)| b == rec.branch && rec.position < limit)
-                })
-                    && (q.saga_id.is_empty() || rec.saga_id == q.saga_id);
+                }) && (q.saga_id.is_empty() || rec.saga_id == q.saga_id);
                 if keep {
                     if out.len() == page_size {
                         return Ok((out, rec.seq.to_string()));

@@ -134,7 +134,7 @@ pub struct Refusal {
     /// What to do.
     pub recovery: Recovery,
     /// The effect it refers to.
-    pub receipt: Option<EffectRecord>,
+    pub receipt: Option<Box<EffectRecord>>,
     /// One short sentence fit to show a model.
     pub message: String,
     /// For FORK_REQUIRED: the checkpoint to fork from.
@@ -158,7 +158,7 @@ impl Refusal {
 
     /// Attaches the receipt it refers to.
     pub fn with_receipt(mut self, receipt: EffectRecord) -> Self {
-        self.receipt = Some(receipt);
+        self.receipt = Some(Box::new(receipt));
         self
     }
 }

@@ -41,7 +41,7 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// Parses lowercase or uppercase hex.
 pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())

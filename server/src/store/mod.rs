@@ -69,6 +69,9 @@ impl Batch {
     }
 }
 
+/// Key-value pairs returned by [`Store::scan`], in key order.
+pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A key-value store with atomic durable batches: what the ledger needs from storage.
 ///
 /// Contract: `write` returns only after the whole batch is durable (on RocksDB: WAL fsynced);
@@ -78,12 +81,7 @@ pub trait Store: Send + Sync + 'static {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
     /// Returns up to `limit` entries whose key starts with `prefix` and is `>= from`
     /// (pass `prefix` itself to start at the beginning), in key order.
-    fn scan(
-        &self,
-        prefix: &[u8],
-        from: &[u8],
-        limit: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError>;
+    fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError>;
     /// Applies the batch atomically and durably.
     fn write(&self, batch: Batch) -> Result<(), StoreError>;
 }

@@ -11,7 +11,7 @@ use rocksdb::{
     ReadOptions, WriteBatch, WriteOptions,
 };
 
-use super::{Batch, Op, Store, StoreError};
+use super::{Batch, Entries, Op, Store, StoreError};
 
 /// The column family holding every ledger record (keys are self-describing by their prefix).
 pub const LEDGER_CF: &str = "ledger";
@@ -122,12 +122,7 @@ impl Store for RocksStore {
         self.db.get_cf(self.cf(), key).map_err(engine)
     }
 
-    fn scan(
-        &self,
-        prefix: &[u8],
-        from: &[u8],
-        limit: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError> {
         let mut ro = ReadOptions::default();
         if let Some(end) = prefix_end(prefix) {
             ro.set_iterate_upper_bound(end);
