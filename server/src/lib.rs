@@ -16,10 +16,12 @@ pub mod config;
 pub mod convert;
 pub mod ledger;
 pub mod quota;
+#[cfg(feature = "rocksdb")]
 pub mod server;
 pub mod service;
 pub mod status;
 pub mod store;
 
 pub use config::Config;
+#[cfg(feature = "rocksdb")]
 pub use server::{ServeError, ServeOptions, serve, serve_ledger, serve_ledger_with};

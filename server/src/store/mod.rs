@@ -1,14 +1,19 @@
 //! Storage: the narrow seam between the ledger and the bytes on disk.
 //!
 //! The ledger needs only point reads, bounded prefix scans and one atomic, durable batch per
-//! transition ([`Store`]). [`RocksStore`] is the embedded implementation; a distributed
+//! transition ([`Store`]). `RocksStore` is the embedded implementation and [`MemStore`] an
+//! in-memory one for fuzzing and embedding in tests of other crates; a distributed
 //! transactional store (TiKV, FoundationDB, a distributed SQL database) can implement the same
 //! trait. Keys are built in [`keys`]; values are versioned protobuf bodies ([`codec`]).
 
 pub mod codec;
 pub mod keys;
+mod mem;
+#[cfg(feature = "rocksdb")]
 mod rocks;
 
+pub use mem::MemStore;
+#[cfg(feature = "rocksdb")]
 pub use rocks::{RocksStore, StoreOptions};
 
 /// A storage failure. The ledger never acknowledges anything a failed write contained.
