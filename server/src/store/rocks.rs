@@ -5,6 +5,8 @@
 //! grows with concurrency while each acknowledgement still means "on disk".
 
 use std::path::{Path, PathBuf};
+use std::sync::RwLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rocksdb::{
     BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options,
@@ -32,9 +34,17 @@ impl Default for StoreOptions {
 }
 
 /// RocksDB behind the [`Store`] seam.
+///
+/// After a failed write (disk full, read-only filesystem, I/O error) RocksDB may stay in a
+/// background-error state that only reopening clears. The store then reopens on the next call:
+/// while the trouble lasts every call fails with [`StoreError::Engine`] (UNAVAILABLE), and once
+/// space returns it recovers without a restart. A batch is one WAL record, so a failed write
+/// applied all or nothing.
 pub struct RocksStore {
-    db: DB,
+    db: RwLock<Option<DB>>,
+    needs_reopen: AtomicBool,
     path: PathBuf,
+    opts: StoreOptions,
 }
 
 impl std::fmt::Debug for RocksStore {
@@ -57,35 +67,49 @@ fn durable() -> WriteOptions {
     w
 }
 
+fn open_db(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
+    let mut db_opts = Options::default();
+    db_opts.create_if_missing(true);
+    db_opts.create_missing_column_families(true);
+    // Two cores: one flush and one compaction thread, not RocksDB's default of one job.
+    db_opts.increase_parallelism(2);
+    db_opts.set_max_background_jobs(2);
+    // Let the WAL write of one group overlap the memtable insert of the previous one.
+    db_opts.set_enable_pipelined_write(true);
+    // Recycle WAL files instead of creating new ones: fewer metadata fsyncs per segment.
+    db_opts.set_recycle_log_file_num(4);
+
+    let mut table = BlockBasedOptions::default();
+    // Most ledger reads are point lookups of keys that do not exist yet (a new step key, a
+    // new intent): a bloom filter answers those without touching data blocks.
+    table.set_bloom_filter(10.0, false);
+    // Keep index and filter blocks in the cache so memory is bounded by one knob.
+    table.set_cache_index_and_filter_blocks(true);
+    table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+    table.set_block_cache(&Cache::new_lru_cache(opts.block_cache_bytes));
+    let mut cf_opts = Options::default();
+    cf_opts.set_block_based_table_factory(&table);
+
+    let cfs = vec![ColumnFamilyDescriptor::new(LEDGER_CF, cf_opts)];
+    DB::open_cf_descriptors(&db_opts, path, cfs).map_err(engine)
+}
+
+fn cf(db: &DB) -> &rocksdb::ColumnFamily {
+    db.cf_handle(LEDGER_CF)
+        .expect("the ledger column family is created at open")
+}
+
 impl RocksStore {
     /// Opens (creating if needed) the store in `path`.
     pub fn open(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
-        let mut db_opts = Options::default();
-        db_opts.create_if_missing(true);
-        db_opts.create_missing_column_families(true);
-        // Two cores: one flush and one compaction thread, not RocksDB's default of one job.
-        db_opts.increase_parallelism(2);
-        db_opts.set_max_background_jobs(2);
-        // Let the WAL write of one group overlap the memtable insert of the previous one.
-        db_opts.set_enable_pipelined_write(true);
-        // Recycle WAL files instead of creating new ones: fewer metadata fsyncs per segment.
-        db_opts.set_recycle_log_file_num(4);
-
-        let mut table = BlockBasedOptions::default();
-        // Most ledger reads are point lookups of keys that do not exist yet (a new step key, a
-        // new intent): a bloom filter answers those without touching data blocks.
-        table.set_bloom_filter(10.0, false);
-        // Keep index and filter blocks in the cache so memory is bounded by one knob.
-        table.set_cache_index_and_filter_blocks(true);
-        table.set_pin_l0_filter_and_index_blocks_in_cache(true);
-        table.set_block_cache(&Cache::new_lru_cache(opts.block_cache_bytes));
-        let mut cf_opts = Options::default();
-        cf_opts.set_block_based_table_factory(&table);
-
-        let cfs = vec![ColumnFamilyDescriptor::new(LEDGER_CF, cf_opts)];
-        let db = DB::open_cf_descriptors(&db_opts, &path, cfs).map_err(engine)?;
-        Ok(Self { db, path })
+        let db = open_db(&path, opts)?;
+        Ok(Self {
+            db: RwLock::new(Some(db)),
+            needs_reopen: AtomicBool::new(false),
+            path,
+            opts: opts.clone(),
+        })
     }
 
     /// The directory the store lives in.
@@ -93,15 +117,35 @@ impl RocksStore {
         &self.path
     }
 
-    fn cf(&self) -> &rocksdb::ColumnFamily {
-        self.db
-            .cf_handle(LEDGER_CF)
-            .expect("the ledger column family is created at open")
+    /// Runs `f` on the open database, reopening it first after a failed write.
+    fn with_db<T>(&self, f: impl FnOnce(&DB) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        if self.needs_reopen.load(Ordering::Acquire) {
+            self.reopen()?;
+        }
+        let guard = self.db.read().unwrap_or_else(|e| e.into_inner());
+        let db = guard
+            .as_ref()
+            .ok_or_else(|| StoreError::Engine("the store is reopening after an error".into()))?;
+        f(db)
+    }
+
+    fn reopen(&self) -> Result<(), StoreError> {
+        let mut guard = self.db.write().unwrap_or_else(|e| e.into_inner());
+        if !self.needs_reopen.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        // Close first: RocksDB holds a lock file on the directory.
+        *guard = None;
+        let db = open_db(&self.path, &self.opts)?;
+        *guard = Some(db);
+        self.needs_reopen.store(false, Ordering::Release);
+        tracing::warn!(path = %self.path.display(), "ledger store reopened after a write error");
+        Ok(())
     }
 
     /// Flushes memtables to SST files (used before measuring on-disk size).
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.db.flush_cf(self.cf()).map_err(engine)
+        self.with_db(|db| db.flush_cf(cf(db)).map_err(engine))
     }
 }
 
@@ -119,42 +163,50 @@ fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
 
 impl Store for RocksStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        self.db.get_cf(self.cf(), key).map_err(engine)
+        self.with_db(|db| db.get_cf(cf(db), key).map_err(engine))
     }
 
     fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError> {
-        let mut ro = ReadOptions::default();
-        if let Some(end) = prefix_end(prefix) {
-            ro.set_iterate_upper_bound(end);
-        }
-        let start = if from < prefix { prefix } else { from };
-        let iter =
-            self.db
-                .iterator_cf_opt(self.cf(), ro, IteratorMode::From(start, Direction::Forward));
-        let mut out = Vec::new();
-        for item in iter {
-            let (k, v) = item.map_err(engine)?;
-            if !k.starts_with(prefix) || out.len() >= limit {
-                break;
+        self.with_db(|db| {
+            let mut ro = ReadOptions::default();
+            if let Some(end) = prefix_end(prefix) {
+                ro.set_iterate_upper_bound(end);
             }
-            out.push((k.into_vec(), v.into_vec()));
-        }
-        Ok(out)
+            let start = if from < prefix { prefix } else { from };
+            let iter =
+                db.iterator_cf_opt(cf(db), ro, IteratorMode::From(start, Direction::Forward));
+            let mut out = Vec::new();
+            for item in iter {
+                let (k, v) = item.map_err(engine)?;
+                if !k.starts_with(prefix) || out.len() >= limit {
+                    break;
+                }
+                out.push((k.into_vec(), v.into_vec()));
+            }
+            Ok(out)
+        })
     }
 
     fn write(&self, batch: Batch) -> Result<(), StoreError> {
         if batch.is_empty() {
             return Ok(());
         }
-        let cf = self.cf();
-        let mut wb = WriteBatch::default();
-        for op in batch.ops() {
-            match op {
-                Op::Put(k, v) => wb.put_cf(cf, k, v),
-                Op::Delete(k) => wb.delete_cf(cf, k),
+        let result = self.with_db(|db| {
+            let cf = cf(db);
+            let mut wb = WriteBatch::default();
+            for op in batch.ops() {
+                match op {
+                    Op::Put(k, v) => wb.put_cf(cf, k, v),
+                    Op::Delete(k) => wb.delete_cf(cf, k),
+                }
             }
+            db.write_opt(wb, &durable()).map_err(engine)
+        });
+        if result.is_err() {
+            // RocksDB may now refuse every write until reopened; do that on the next call.
+            self.needs_reopen.store(true, Ordering::Release);
         }
-        self.db.write_opt(wb, &durable()).map_err(engine)
+        result
     }
 }
 

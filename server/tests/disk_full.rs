@@ -1,0 +1,131 @@
+//! Disk trouble: when the data dir's filesystem is full, calls fail with UNAVAILABLE and change
+//! nothing; when space returns, the server recovers without a restart and everything
+//! acknowledged before is intact. Runs the real `fenced` on a small tmpfs (needs root, as CI is).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+use fence_proto::v1 as pb;
+use fence_proto::v1::decision::Outcome as O;
+use fence_proto::v1::fence_client::FenceClient;
+use tonic::Code;
+
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .expect("run mount");
+        assert!(
+            ok.success(),
+            "mounting a tmpfs needs root (CI runs as root)"
+        );
+        Self(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// Fills the filesystem until writes fail; returns the filler's path.
+fn fill(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let chunk = vec![0u8; 64 << 10];
+    while f.write_all(&chunk).and_then(|_| f.sync_data()).is_ok() {}
+    path
+}
+
+fn begin(step: &str) -> pb::BeginRequest {
+    pb::BeginRequest {
+        run_id: "run".into(),
+        tool: "pay".into(),
+        step_key: step.into(),
+        arguments_json: format!(r#"{{"step":"{step}","pad":"{}"}}"#, "x".repeat(2048)),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_is_unavailable_and_recovers_when_space_returns() {
+    let fs = Tmpfs::mount("48m");
+    let data = fs.0.join("data");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = format!(
+        "http://{}",
+        line.trim().trim_start_matches("fenced listening on ")
+    );
+    let mut c = FenceClient::connect(url).await.unwrap();
+
+    let O::Execute(before) = c
+        .begin(begin("before"))
+        .await
+        .unwrap()
+        .into_inner()
+        .decision
+        .unwrap()
+        .outcome
+        .unwrap()
+    else {
+        panic!("expected a grant")
+    };
+
+    let filler = fill(&fs.0);
+    let mut refused = 0;
+    for i in 0..20 {
+        match c.begin(begin(&format!("full-{i}"))).await {
+            Err(s) => {
+                assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+                refused += 1;
+            }
+            Ok(_) => {} // a write may still fit in a partially filled block
+        }
+    }
+    assert!(refused > 0, "a full disk must refuse writes");
+
+    std::fs::remove_file(filler).unwrap();
+    // Space is back: the server recovers by itself, and what was acknowledged is intact.
+    let mut recovered = false;
+    for _ in 0..50 {
+        if let Ok(r) = c.begin(begin("after")).await {
+            assert!(matches!(
+                r.into_inner().decision.unwrap().outcome.unwrap(),
+                O::Execute(_)
+            ));
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "the server did not recover when space returned");
+    let q = c
+        .query_outcome(pb::QueryOutcomeRequest {
+            key: Some(pb::query_outcome_request::Key::EffectId(
+                before.effect_id.clone(),
+            )),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(q.receipt.unwrap().effect_id, before.effect_id);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
