@@ -11,7 +11,7 @@ use std::time::Duration;
 use fence_proto::v1 as pb;
 use tonic::codegen::http;
 use tonic::metadata::AsciiMetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt};
 
@@ -115,6 +115,7 @@ pub struct FenceClientBuilder {
     request_timeout: Option<Duration>,
     bearer_token: Option<String>,
     tenant: Option<String>,
+    tls: Option<ClientTlsConfig>,
     policy: RetryPolicy,
 }
 
@@ -129,6 +130,7 @@ impl fmt::Debug for FenceClientBuilder {
                 &self.bearer_token.as_ref().map(|_| "<redacted>"),
             )
             .field("tenant", &self.tenant)
+            .field("tls", &self.tls.is_some())
             .field("policy", &self.policy)
             .finish()
     }
@@ -144,6 +146,7 @@ impl FenceClientBuilder {
             request_timeout: Some(Duration::from_secs(10)),
             bearer_token: None,
             tenant: None,
+            tls: None,
             policy: RetryPolicy::default(),
         }
     }
@@ -178,6 +181,26 @@ impl FenceClientBuilder {
         self
     }
 
+    /// Connects with TLS (use an `https://` URL): the CA to trust, the server's name, and for
+    /// mutual TLS the client's identity.
+    ///
+    /// ```no_run
+    /// # async fn demo(ca_pem: String, cert_pem: String, key_pem: String) -> Result<(), fence_client::Error> {
+    /// use fence_client::{Certificate, ClientTlsConfig, FenceClient, Identity};
+    ///
+    /// let tls = ClientTlsConfig::new()
+    ///     .ca_certificate(Certificate::from_pem(ca_pem))
+    ///     .domain_name("fence.internal")
+    ///     .identity(Identity::from_pem(cert_pem, key_pem));
+    /// let client = FenceClient::builder("https://fence.internal:50051").tls(tls).connect().await?;
+    /// # let _ = client; Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn tls(mut self, config: ClientTlsConfig) -> Self {
+        self.tls = Some(config);
+        self
+    }
+
     /// The retry policy of the protocol helpers (`run_effect`, the saga executor).
     #[must_use]
     pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
@@ -191,6 +214,11 @@ impl FenceClientBuilder {
             .tcp_nodelay(true);
         if let Some(timeout) = self.connect_timeout {
             endpoint = endpoint.connect_timeout(timeout);
+        }
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint
+                .tls_config(tls.clone())
+                .map_err(|e| Error::Config(format!("invalid TLS configuration: {e}")))?;
         }
         Ok(endpoint)
     }
@@ -280,6 +308,9 @@ pub struct EffectFilter {
     pub branch: Option<String>,
     /// Only this saga's effects; `None` = all.
     pub saga_id: Option<String>,
+    /// With `branch`: the branch's lineage (what its parents recorded before each fork point,
+    /// then its own effects) instead of only its own effects.
+    pub lineage: bool,
 }
 
 impl EffectFilter {
@@ -289,6 +320,7 @@ impl EffectFilter {
             run_id: run_id.into(),
             branch: None,
             saga_id: None,
+            lineage: false,
         }
     }
 
@@ -303,6 +335,14 @@ impl EffectFilter {
     #[must_use]
     pub fn saga(mut self, saga_id: impl Into<String>) -> Self {
         self.saga_id = Some(saga_id.into());
+        self
+    }
+
+    /// The history `branch` acts on: its lineage, not only its own effects.
+    #[must_use]
+    pub fn lineage(mut self, branch: impl Into<String>) -> Self {
+        self.branch = Some(branch.into());
+        self.lineage = true;
         self
     }
 }
@@ -877,6 +917,7 @@ impl FenceClient {
             saga_id: filter.saga_id.clone().unwrap_or_default(),
             page_size,
             page_token: page_token.unwrap_or_default().to_owned(),
+            lineage: filter.lineage,
         };
         let response = self
             .unary(request, |mut s, r| async move { s.list_effects(r).await })

@@ -283,7 +283,9 @@ where
     loop {
         match op().await {
             Err(err) if err.is_transient() => {
-                let wait = policy.backoff(retry);
+                let wait = policy
+                    .backoff(retry)
+                    .max(err.retry_after().unwrap_or_default());
                 if Instant::now() + wait > deadline {
                     return Err(err);
                 }
@@ -384,9 +386,22 @@ impl<C: OutcomeCheck> EffectRunner<'_, C> {
 
     async fn begin(&self) -> Result<BeginOutcome, Error> {
         if self.call.step_key.is_some() {
-            retry_transient(self.policy(), || self.client.begin(self.call)).await
-        } else {
-            self.client.begin(self.call).await
+            return retry_transient(self.policy(), || self.client.begin(self.call)).await;
+        }
+        // Without a step key a lost Begin cannot be told from a recorded one: re-send only
+        // when the server said it applied nothing (a rate-limit delay).
+        let deadline = Instant::now() + self.policy().transient_timeout;
+        loop {
+            match self.client.begin(self.call).await {
+                Err(err) if err.retry_after().is_some() => {
+                    let wait = err.retry_after().unwrap_or_default();
+                    if Instant::now() + wait > deadline {
+                        return Err(err);
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+                other => return other,
+            }
         }
     }
 

@@ -5,6 +5,8 @@
 //! message}}`): both become [`Error::Refused`] carrying a [`Refusal`]. Deterministic retry logic
 //! switches on [`Error::reason`] / [`Error::recovery`], never on a message.
 
+use std::time::Duration;
+
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -57,6 +59,9 @@ pub enum Error {
         code: Option<Code>,
         /// Request fields named by a `BadRequest` detail, if any.
         field_violations: Vec<FieldViolation>,
+        /// When the status carries a `RetryInfo` (e.g. a tenant over its rate limit): nothing
+        /// was applied, and the same call may be sent again after this delay.
+        retry_after: Option<Duration>,
     },
 
     /// A gRPC status that is not a Fence refusal: a malformed request, authentication,
@@ -134,6 +139,7 @@ impl Error {
             refusal: Box::new(refusal),
             code: None,
             field_violations: Vec::new(),
+            retry_after: None,
         }
     }
 
@@ -182,13 +188,25 @@ impl Error {
         }
     }
 
+    /// The delay after which the server invited a retry of the very same call (a `RetryInfo`
+    /// detail, e.g. a tenant over its rate limit). Such a call was not applied at all.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Error::Refused { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+
     /// True when the failure may be a lost request or response (the transport broke, the
-    /// server was unavailable or slow) rather than an answer. Only idempotent calls may be
-    /// retried on it: the client retries Complete, Heartbeat, Reconcile, QueryOutcome and a
-    /// Begin that carries a step key; never a Begin without one.
+    /// server was unavailable or slow) rather than an answer, or when the server asked for
+    /// the same call again later ([`Error::retry_after`]). Only idempotent calls may be
+    /// retried on a lost response: the client retries Complete, Heartbeat, Reconcile,
+    /// QueryOutcome and a Begin that carries a step key; a Begin without one only on
+    /// [`Error::retry_after`] (nothing was applied).
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Connect(_) => true,
+            Error::Refused { retry_after, .. } => retry_after.is_some(),
             Error::Rpc { code, .. } => matches!(
                 code,
                 Code::Unavailable
@@ -253,6 +271,7 @@ impl From<tonic::Status> for Error {
                 refusal: Box::new(refusal),
                 code: Some(status.code()),
                 field_violations,
+                retry_after: details.retry_info().and_then(|r| r.retry_delay),
             };
         }
         Error::Rpc {
@@ -306,6 +325,29 @@ mod tests {
             other => panic!("not a refusal: {other:?}"),
         }
         assert!(!Error::from(fence_status(Code::NotFound, "UNKNOWN_RECORD", &[])).is_transient());
+    }
+
+    #[test]
+    fn a_rate_limited_call_is_a_transient_refusal_with_its_delay() {
+        let metadata: HashMap<String, String> =
+            [("recovery".to_owned(), "WAIT_AND_QUERY".to_owned())].into();
+        let mut details = ErrorDetails::with_error_info("LIMIT_EXCEEDED", ERROR_DOMAIN, metadata);
+        details.set_retry_info(Some(std::time::Duration::from_millis(250)));
+        let err = Error::from(tonic::Status::with_error_details(
+            Code::ResourceExhausted,
+            "tenant request rate exceeded",
+            details,
+        ));
+        assert_eq!(err.reason(), Some(ReasonCode::LimitExceeded));
+        assert_eq!(
+            err.retry_after(),
+            Some(std::time::Duration::from_millis(250))
+        );
+        assert!(err.is_transient());
+        // A limit without a retry delay (e.g. a run full of effects) is final.
+        let err = Error::from(fence_status(Code::ResourceExhausted, "LIMIT_EXCEEDED", &[]));
+        assert_eq!(err.retry_after(), None);
+        assert!(!err.is_transient());
     }
 
     #[test]

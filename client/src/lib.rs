@@ -1,7 +1,7 @@
 //! The Rust client of Fence: make an AI agent's side effects happen exactly once.
 //!
-//! - [`FenceClient`]: a typed client over the `fence.v1` gRPC API (URL, timeouts, bearer token,
-//!   dev-mode tenant), one method per RPC, domain types in and out, one [`Error`] enum that
+//! - [`FenceClient`]: a typed client over the `fence.v1` gRPC API (URL, timeouts, TLS, bearer
+//!   token, dev-mode tenant), one method per RPC, domain types in and out, one [`Error`] enum that
 //!   carries Fence's structured refusals.
 //! - [`FenceClient::run_effect`]: the whole protocol in one call: Begin, run your closure only
 //!   when Fence grants execution (heartbeating the lease), Complete with its result; replay
@@ -58,6 +58,8 @@ pub use saga::{
     Saga, SagaExecutor, SagaOutcome, SagaState, SagaStep, SagaStepState, ToolRunner,
     compensation_step_key, saga_step_key,
 };
+/// TLS settings for [`FenceClientBuilder::tls`] (re-exported from tonic).
+pub use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 pub use types::{
     BeginOutcome, BranchInfo, CheckpointInfo, Compensation, Completion, CredentialInfo,
     CredentialUse, Decision, EffectState, Finding, Grant, IntentSchema, NewCredential,
