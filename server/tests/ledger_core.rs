@@ -858,3 +858,75 @@ fn limits_on_counts_refuse_without_writing() {
     ));
     assert_eq!(before, ledger.store().scan(&[], &[], usize::MAX).unwrap());
 }
+
+#[test]
+fn size_limits_on_results_evidence_and_details_refuse_without_writing() {
+    let h = harness();
+    let rec = executed(h.begin(&keyed("r1", "s", "t", "{}")));
+    let id = rec.id().to_string();
+    let before = h.snapshot();
+    let big = vec![b'x'; (4 << 20) + 1];
+    invalid(
+        h.ledger
+            .complete(T, &id, 1, 0, Outcome::Completed(big.clone())),
+        "result",
+    );
+    invalid(
+        h.ledger
+            .complete(T, &id, 1, 0, Outcome::Unknown("d".repeat(20_000))),
+        "detail",
+    );
+    h.clock.advance(LEASE);
+    invalid(
+        h.ledger
+            .reconcile(T, &id, 0, &"e".repeat(70_000), Finding::Completed(vec![])),
+        "evidence",
+    );
+    invalid(
+        h.ledger.reconcile(T, &id, 0, "ev", Finding::Completed(big)),
+        "completed_result",
+    );
+    assert_eq!(before, h.snapshot());
+}
+
+#[test]
+fn count_limits_on_branches_and_checkpoints_refuse_without_writing() {
+    use fence_server::ledger::runs::{CheckpointCmd, ForkCmd};
+    let dir = tempfile::tempdir().unwrap();
+    let store = fence_server::store::RocksStore::open(dir.path(), &Default::default()).unwrap();
+    let mut config = fence_server::ledger::LedgerConfig::default();
+    config.limits.max_checkpoints_per_run = 1;
+    config.limits.max_branches_per_run = 2;
+    let ledger = fence_server::ledger::Ledger::new(
+        store,
+        std::sync::Arc::new(fence_server::clock::SystemClock),
+        config,
+    );
+    let cp = |id: &str| CheckpointCmd {
+        run_id: "r".into(),
+        branch: "".into(),
+        epoch: 0,
+        checkpoint_id: id.into(),
+    };
+    ledger.checkpoint(T, &cp("c1")).unwrap();
+    let before = ledger.store().scan(&[], &[], usize::MAX).unwrap();
+    assert!(matches!(
+        ledger.checkpoint(T, &cp("c2")),
+        Err(LedgerError::ResourceExhausted { .. })
+    ));
+    let fork = |name: &str| ForkCmd {
+        run_id: "r".into(),
+        checkpoint_id: "c1".into(),
+        epoch: 0,
+        new_branch: name.into(),
+        reason: String::new(),
+    };
+    ledger.fork(T, &fork("b1")).unwrap();
+    let mid = ledger.store().scan(&[], &[], usize::MAX).unwrap();
+    assert_ne!(before, mid);
+    assert!(matches!(
+        ledger.fork(T, &fork("b2")),
+        Err(LedgerError::ResourceExhausted { .. })
+    ));
+    assert_eq!(mid, ledger.store().scan(&[], &[], usize::MAX).unwrap());
+}

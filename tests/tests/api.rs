@@ -254,6 +254,63 @@ async fn tenants_cannot_see_or_touch_each_other() {
         .code(),
         Code::NotFound
     );
+    let s = c
+        .reconcile(as_tenant(
+            "beta",
+            pb::ReconcileRequest {
+                effect_id: ex.effect_id.clone(),
+                evidence: "forged".into(),
+                outcome: Some(pb::reconcile_request::Outcome::FailedBeforeInput(
+                    pb::FailedBeforeInput { detail: "x".into() },
+                )),
+                ..Default::default()
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::NotFound);
+    let s = c
+        .heartbeat(as_tenant(
+            "beta",
+            pb::HeartbeatRequest {
+                effect_id: ex.effect_id.clone(),
+                ..Default::default()
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::NotFound);
+    // Acme's credential, once spent, is not beta's to see; beta's identical token is its own.
+    let spend = |t: &str, run: &str| {
+        as_tenant(
+            t,
+            pb::BeginRequest {
+                credentials: vec![pb::CredentialUse {
+                    token: b"otp".to_vec(),
+                    budget: 1,
+                }],
+                ..begin(run, "t", r#"{"spend":1}"#)
+            },
+        )
+    };
+    assert!(matches!(
+        outcome(c.begin(spend("acme", "run2")).await.unwrap().into_inner()),
+        O::Execute(_)
+    ));
+    let s = c
+        .get_credential(as_tenant(
+            "beta",
+            pb::GetCredentialRequest {
+                token: b"otp".to_vec(),
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::NotFound);
+    assert!(matches!(
+        outcome(c.begin(spend("beta", "run2")).await.unwrap().into_inner()),
+        O::Execute(_)
+    ));
     // The same run id in beta is a different run: beta's identical call executes.
     let resp = c
         .begin(as_tenant("beta", begin("run", "t", r#"{"a":1}"#)))
