@@ -128,7 +128,7 @@ pub async fn run(url: &str) -> anyhow::Result<()> {
 
     match pay(&zombie, &provider, 4200, false).await {
         Err(err) if err.reason() == Some(ReasonCode::StaleEpoch) => {
-            println!("[zombie]  refused: {err} (recovery {:?})", err.recovery());
+            println!("[zombie]  {err} (recovery {:?})", err.recovery());
         }
         Ok(outcome) => bail!("the zombie's payment went through: {outcome:?}"),
         Err(err) => bail!("the zombie got an unexpected error: {err}"),
