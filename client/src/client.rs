@@ -386,6 +386,10 @@ pub struct EffectCall {
     pub compensation: Option<Compensation>,
     /// When this call is a compensation: the effect it undoes.
     pub compensates_effect_id: Option<String>,
+    /// A nonce for this logical call, repeated when the same Begin is re-sent, so a grant whose
+    /// response was lost comes back at once instead of as "in progress". `run_effect` sets a
+    /// random one when this is `None`. Never share one between two callers.
+    pub request_id: Option<String>,
 }
 
 impl EffectCall {
@@ -401,6 +405,13 @@ impl EffectCall {
             arguments_json: arguments_json.into(),
             ..EffectCall::default()
         }
+    }
+
+    /// Sets the request id (see [`EffectCall::request_id`]).
+    #[must_use]
+    pub fn request_id(mut self, request_id: impl Into<String>) -> Self {
+        self.request_id = Some(request_id.into());
+        self
     }
 
     /// Sets the branch.
@@ -501,6 +512,7 @@ impl From<&EffectCall> for pb::BeginRequest {
             saga_id: c.saga_id.clone().unwrap_or_default(),
             compensation: c.compensation.clone().map(Into::into),
             compensates_effect_id: c.compensates_effect_id.clone().unwrap_or_default(),
+            request_id: c.request_id.clone().unwrap_or_default(),
         }
     }
 }

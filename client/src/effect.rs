@@ -257,6 +257,18 @@ impl FenceClient {
         Fut: Future<Output = Result<Vec<u8>, ToolError>>,
         C: OutcomeCheck,
     {
+        // One request id for every Begin of this logical call: a lost grant comes back at once.
+        let stamped;
+        let call = match call.request_id {
+            Some(_) => call,
+            None => {
+                stamped = EffectCall {
+                    request_id: Some(format!("{:032x}", rand::random::<u128>())),
+                    ..call.clone()
+                };
+                &stamped
+            }
+        };
         EffectRunner {
             client: self,
             call,

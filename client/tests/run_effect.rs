@@ -240,26 +240,35 @@ async fn a_lost_begin_response_never_runs_the_closure_twice() {
     assert_eq!(outcome.source, OutcomeSource::Executed);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(bank.count("pay"), 1);
-    // The lost grant was attempt 1; it was reconciled as not having happened (evidence from
-    // the bank) and granted again with the same downstream key.
+    // The re-sent Begin carried the same request id, so the lost grant (attempt 1) came back
+    // at once instead of waiting for its lease to lapse.
     let receipt = outcome.receipt.unwrap();
-    assert_eq!(receipt.attempt, 2);
+    assert_eq!(receipt.attempt, 1);
     assert_eq!(Some(receipt.result), bank.lookup(&receipt.downstream_key));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_begin_response_without_a_check_fails_closed() {
+async fn a_grant_lost_by_a_crashed_caller_fails_closed_for_the_next_one() {
     let server = TestServer::start().await;
     let (client, faults) = server.faulty_client().await;
     register(&client, "pay", OperationClass::NonRetryable, 300).await;
+    let raw = client.clone();
     let run = RunHandle::start(client, &unique("run")).await.unwrap();
     let (bank, runs) = (Downstream::default(), Arc::new(AtomicU32::new(0)));
     let call = run
         .call("pay", r#"{"amount":10}"#)
         .step_key(run.step_key("pay"));
+    // A first process is granted the effect, loses the answer and dies without retrying.
     faults.lose_responses("Begin", 1);
+    assert!(
+        raw.begin(&call.clone().request_id("process-a"))
+            .await
+            .is_err()
+    );
+    // The next process (another request id) must not run it: it waits, the lease lapses, and
+    // without an outcome check the effect stays unknown.
     let err = run
-        .run_effect(&call, paying(&bank, &runs))
+        .run_effect(&call.clone().request_id("process-b"), paying(&bank, &runs))
         .await
         .unwrap_err();
     assert!(matches!(err, Error::EffectUnknown { .. }), "{err:?}");

@@ -147,6 +147,7 @@ impl TryFrom<pb::BeginRequest> for BeginCmd {
             saga_id: r.saga_id,
             compensation: r.compensation.map(|c| (c.tool, c.arguments_json)),
             compensates_effect_id: r.compensates_effect_id,
+            request_id: r.request_id,
         })
     }
 }

@@ -930,3 +930,47 @@ fn count_limits_on_branches_and_checkpoints_refuse_without_writing() {
     ));
     assert_eq!(mid, ledger.store().scan(&[], &[], usize::MAX).unwrap());
 }
+
+#[test]
+fn a_lost_grant_is_recovered_by_the_same_request_id_and_only_by_it() {
+    let h = harness();
+    bank(&h);
+    let first = || BeginCmd {
+        request_id: "req-1".into(),
+        ..keyed("r1", "r1:pay", TRANSFER, ARGS)
+    };
+    let grant = executed(h.begin(&first()));
+    // The response was lost; the same requester re-sends: the same grant, not IN_PROGRESS.
+    let again = executed(h.begin(&first()));
+    assert_eq!(
+        (again.id(), again.attempt, again.downstream_key.clone()),
+        (grant.id(), 1, grant.downstream_key.clone())
+    );
+    // Anyone else (another request id, or none) waits.
+    for other in [
+        BeginCmd {
+            request_id: "req-2".into(),
+            ..keyed("r1", "r1:pay", TRANSFER, ARGS)
+        },
+        keyed("r1", "r1:pay", TRANSFER, ARGS),
+    ] {
+        assert!(matches!(h.begin(&other), Decision::InProgress { .. }));
+    }
+    // Once completed, the same request id replays like everyone else.
+    complete(&h, &grant, "tx");
+    replayed(h.begin(&first()));
+    // After the lease lapses the grant is unknown, whoever asks.
+    let lapsing = executed(h.begin(&BeginCmd {
+        request_id: "req-3".into(),
+        ..keyed("r1", "r1:other", TRANSFER, REDIRECTED)
+    }));
+    h.clock.advance(LEASE);
+    refused(
+        h.begin(&BeginCmd {
+            request_id: "req-3".into(),
+            ..keyed("r1", "r1:other", TRANSFER, REDIRECTED)
+        }),
+        Reason::ReconcileRequired,
+    );
+    let _ = lapsing;
+}

@@ -283,6 +283,9 @@ impl<S: Store> Ledger<S> {
         if !cmd.saga_id.is_empty() {
             self.check_id("saga_id", &cmd.saga_id)?;
         }
+        if !cmd.request_id.is_empty() {
+            self.check_id("request_id", &cmd.request_id)?;
+        }
         self.check_len(
             "arguments_json",
             cmd.arguments_json.len(),
@@ -569,6 +572,16 @@ impl<S: Store> Ledger<S> {
                 batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
                 Decision::Replay(Box::new(rec.view(now)))
             }
+            // The same requester re-sending after a lost response gets its own grant back.
+            State::Accepted | State::Running
+                if !call.cmd.request_id.is_empty()
+                    && rec.grant_request_id == call.cmd.request_id =>
+            {
+                Decision::Execute {
+                    receipt: Box::new(view),
+                    recorded: true,
+                }
+            }
             State::Accepted | State::Running => Decision::InProgress {
                 receipt: Box::new(view),
                 retry_after_ms: self.config.in_progress_retry_ms,
@@ -611,6 +624,7 @@ impl<S: Store> Ledger<S> {
         rec.attempt += 1;
         rec.state = State::Accepted.code();
         rec.expires_at_ms = 0;
+        rec.grant_request_id = call.cmd.request_id.clone();
         rec.epoch = call.run.epoch;
         rec.lease_ms = lease;
         rec.lease_expires_at_ms = call.now + lease;
@@ -668,6 +682,7 @@ impl<S: Store> Ledger<S> {
             compensates_seq: call.compensates_seq,
             arguments_json: call.cmd.arguments_json.clone(),
             deliberate_repeat: call.cmd.deliberate_repeat,
+            grant_request_id: call.cmd.request_id.clone(),
             ..Default::default()
         }
     }

@@ -322,4 +322,7 @@ pub struct EffectRecord {
     /// Retention after finishing.
     #[prost(uint64, tag = "37")]
     pub retention_ms: u64,
+    /// The caller's request id of the Begin that holds the current grant.
+    #[prost(string, tag = "38")]
+    pub grant_request_id: String,
 }

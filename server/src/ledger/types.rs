@@ -322,6 +322,8 @@ pub struct BeginCmd {
     pub compensation: Option<(String, String)>,
     /// The effect this call compensates ("" = none).
     pub compensates_effect_id: String,
+    /// The caller's nonce for this logical call ("" = none); see the proto.
+    pub request_id: String,
 }
 
 /// How a granted effect ended, as reported by its executor.
