@@ -199,6 +199,20 @@ impl<S: Store> Ledger<S> {
         }
         let superseded = attempt != 0 && attempt < rec.attempt;
         let state = rec.state();
+        // A superseded attempt may still report a success (it is the truth about the effect),
+        // but not a failure: the newer attempt owns the grant now.
+        if superseded
+            && matches!(state, State::Accepted | State::Running)
+            && !matches!(outcome, Outcome::Completed(_))
+        {
+            return Err(refuse(
+                Reason::LeaseLost,
+                Recovery::WaitAndQuery,
+                "A newer attempt holds this effect.",
+                &rec,
+                now,
+            ));
+        }
         let mut batch = Batch::new();
         match outcome {
             Outcome::Completed(result) => match state {
@@ -226,15 +240,6 @@ impl<S: Store> Ledger<S> {
             },
             Outcome::FailedBeforeInput(detail) => match state {
                 State::FailedBeforeInput => return Ok(rec.view(now)),
-                State::Accepted | State::Running if superseded => {
-                    return Err(refuse(
-                        Reason::LeaseLost,
-                        Recovery::WaitAndQuery,
-                        "A newer attempt holds this effect.",
-                        &rec,
-                        now,
-                    ));
-                }
                 State::Accepted | State::Running if rec.lease_live(now) => {
                     rec.state = State::FailedBeforeInput.code();
                     rec.detail = detail;
@@ -261,15 +266,6 @@ impl<S: Store> Ledger<S> {
             },
             Outcome::Unknown(detail) => match state {
                 State::EffectUnknown => return Ok(rec.view(now)),
-                State::Accepted | State::Running if superseded => {
-                    return Err(refuse(
-                        Reason::LeaseLost,
-                        Recovery::WaitAndQuery,
-                        "A newer attempt holds this effect.",
-                        &rec,
-                        now,
-                    ));
-                }
                 State::Accepted | State::Running => {
                     rec.state = State::EffectUnknown.code();
                     rec.detail = detail;
