@@ -1,0 +1,365 @@
+//! `fence-load`: what a durable decision costs.
+//!
+//! - `fence-load compare`: in one run, the physical floor (a bare `fdatasync` loop on the data
+//!   disk, a gRPC round trip on loopback), Fence (begin+complete per effect over gRPC against
+//!   a `fenced` child process, WAL sync on) and, with `--postgres URL`, the same effect ledger
+//!   as an idempotency-key table in PostgreSQL with `synchronous_commit=on`, at each
+//!   concurrency; then the targets, met or not.
+//! - `fence-load scale`: latency and server memory with 0, 1M, 10M... stored effects.
+//!
+//! Build with `cargo build --release --workspace --bins` and run from `target/release`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use fence_bench::fenced::{Fenced, default_binary};
+use fence_bench::load::{self, Measured, Target};
+
+/// Throughput and latency of Fence next to the physical floor and a Postgres peer.
+#[derive(Debug, Parser)]
+#[command(name = "fence-load")]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, clap::Args)]
+struct Common {
+    /// The `fenced` binary (default: next to this executable, or $FENCED).
+    #[arg(long)]
+    fenced: Option<PathBuf>,
+    /// Directory for the server's data and the fdatasync floor (the disk under test).
+    /// Default: a new directory under `target/`.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Concurrency levels (closed-loop workers).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+    concurrency: Vec<usize>,
+    /// Seconds measured per level.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Warm-up seconds per level (not measured).
+    #[arg(long, default_value_t = 2)]
+    warmup: u64,
+    /// gRPC connections the workers share.
+    #[arg(long, default_value_t = 8)]
+    connections: usize,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The floor, Fence and the Postgres peer at each concurrency, in one run.
+    Compare {
+        #[command(flatten)]
+        common: Common,
+        /// The Postgres peer (see scripts/bench-postgres.sh), e.g.
+        /// postgres://bench@127.0.0.1:54329/bench
+        #[arg(long)]
+        postgres: Option<String>,
+        /// fdatasync calls of the floor loop.
+        #[arg(long, default_value_t = 2000)]
+        fsyncs: u64,
+    },
+    /// Latency and memory of Fence as the number of stored effects grows.
+    Scale {
+        #[command(flatten)]
+        common: Common,
+        /// Stored-effect counts to measure at (ascending; each continues the previous preload).
+        #[arg(long, value_delimiter = ',', default_value = "0,1000000,10000000")]
+        sizes: Vec<u64>,
+        /// Preload threads.
+        #[arg(long, default_value_t = 64)]
+        preload_threads: usize,
+    },
+}
+
+fn work_dir(common: &Common) -> Result<PathBuf> {
+    let dir = match &common.dir {
+        Some(d) => d.clone(),
+        None => {
+            let exe = std::env::current_exe()?;
+            let target = exe
+                .parent()
+                .and_then(Path::parent)
+                .context("target directory")?;
+            target.join(format!("fence-load-{}", std::process::id()))
+        }
+    };
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+async fn start_fenced(common: &Common, data: &Path, log: &Path) -> Result<Fenced> {
+    let binary = match &common.fenced {
+        Some(b) => b.clone(),
+        None => default_binary()?,
+    };
+    let fenced = Fenced::start(binary, data.to_path_buf(), Vec::new(), log.to_path_buf()).await?;
+    Ok(fenced)
+}
+
+async fn channels(fenced: &Fenced, n: usize) -> Result<Vec<Channel>> {
+    // Separate HTTP/2 connections: one per `connect` of a fresh endpoint.
+    let first = fenced.channel().await?;
+    let mut out = vec![first.clone()];
+    let url = fenced.url();
+    for _ in 1..n.max(1) {
+        out.push(
+            tonic::transport::Endpoint::from_shared(url.clone())?
+                .tcp_nodelay(true)
+                .connect()
+                .await?,
+        );
+    }
+    Ok(out)
+}
+
+use tonic::transport::Channel;
+
+fn row(label: &str, c: usize, m: &Measured) -> String {
+    format!(
+        "| {label} | {c} | {:.0} | {:.3} | {:.3} | {:.3} | {:.1} |",
+        m.throughput(),
+        m.p50(),
+        m.p99(),
+        m.p999(),
+        m.p99() / m.p50().max(1e-9)
+    )
+}
+
+const HEADER: &str = "| system | concurrency | effects/s | p50 ms | p99 ms | p99.9 ms | p99/p50 |\n|---|---:|---:|---:|---:|---:|---:|";
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|l| l.trim_start_matches([' ', '\t', ':']).to_owned())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cores} cores, {cpu}")
+}
+
+async fn compare(common: Common, postgres: Option<String>, fsyncs: u64) -> Result<()> {
+    let dir = work_dir(&common)?;
+    println!("machine: {}; data dir {}", machine(), dir.display());
+    let pg_info = match &postgres {
+        Some(url) => Some(load::pg_prepare(url).await?),
+        None => None,
+    };
+
+    // The floor.
+    let floor_dir = dir.clone();
+    let (append, overwrite) = tokio::task::spawn_blocking(move || -> Result<_> {
+        Ok((
+            load::fdatasync_floor(&floor_dir, fsyncs, false)?,
+            load::fdatasync_floor(&floor_dir, fsyncs, true)?,
+        ))
+    })
+    .await??;
+    let data = dir.join("fence-data");
+    let fenced = start_fenced(&common, &data, &dir.join("fenced.log")).await?;
+    let rtt = load::grpc_round_trip(fenced.channel().await?, 2000).await?;
+    let floor = 2.0 * append.p50() + 2.0 * rtt.p50();
+    println!("\n## The floor\n");
+    println!("| what | p50 ms | p99 ms |\n|---|---:|---:|");
+    println!(
+        "| fdatasync after a 100-byte append | {:.3} | {:.3} |",
+        append.p50(),
+        append.p99()
+    );
+    println!(
+        "| fdatasync after a 100-byte overwrite (preallocated file) | {:.3} | {:.3} |",
+        overwrite.p50(),
+        overwrite.p99()
+    );
+    println!(
+        "| gRPC round trip on loopback (health check) | {:.3} | {:.3} |",
+        rtt.p50(),
+        rtt.p99()
+    );
+    println!("| floor of begin+complete: 2 fdatasync + 2 round trips | {floor:.3} | |");
+
+    // Fence.
+    load::register_tool(fenced.channel().await?).await?;
+    let chans = channels(&fenced, common.connections).await?;
+    let target = Target::Fence(chans);
+    let warmup = Duration::from_secs(common.warmup);
+    let measure = Duration::from_secs(common.seconds);
+    let mut fence = Vec::new();
+    for &c in &common.concurrency {
+        let m = load::closed_loop(&target, "cmp", c, warmup, measure).await?;
+        eprintln!("{}", row("Fence", c, &m));
+        fence.push((c, m));
+    }
+    let rss = fenced.rss_kib();
+    fenced.stop().await;
+    drop(target);
+
+    // The Postgres peer.
+    let mut pg = Vec::new();
+    if let Some(url) = &postgres {
+        let target = Target::Postgres(url.clone());
+        let label = format!("cmp{}", std::process::id());
+        for &c in &common.concurrency {
+            let m = load::closed_loop(&target, &label, c, warmup, measure).await?;
+            eprintln!("{}", row("Postgres", c, &m));
+            pg.push((c, m));
+        }
+    }
+
+    println!("\n## begin+complete per effect\n");
+    if let Some(info) = &pg_info {
+        println!("Postgres peer: {info}\n");
+    }
+    println!("{HEADER}");
+    for ((c, f), p) in fence
+        .iter()
+        .zip(pg.iter().map(Some).chain(std::iter::repeat(None)))
+    {
+        println!("{}", row("Fence", *c, f));
+        if let Some((_, p)) = p {
+            println!("{}", row("Postgres", *c, p));
+        }
+    }
+    if let Some(kib) = rss {
+        println!(
+            "\nfenced RSS after the sweep: {:.1} MiB",
+            kib as f64 / 1024.0
+        );
+    }
+
+    println!("\n## Targets\n");
+    let find =
+        |v: &[(usize, Measured)], c: usize| v.iter().find(|(k, _)| *k == c).map(|(_, m)| m.clone());
+    if let Some(f1) = find(&fence, 1) {
+        let ratio = f1.p50() / floor;
+        println!(
+            "- c=1 p50 {:.3} ms = {ratio:.2}x the floor ({floor:.3} ms): {}",
+            f1.p50(),
+            verdict(ratio <= 2.0)
+        );
+        if let Some(p1) = find(&pg, 1) {
+            println!(
+                "- c=1 p50 vs Postgres {:.3} ms: {}",
+                p1.p50(),
+                verdict(f1.p50() <= p1.p50())
+            );
+        }
+    }
+    if let (Some(f64_), Some(p64)) = (find(&fence, 64), find(&pg, 64)) {
+        let ratio = f64_.throughput() / p64.throughput();
+        println!(
+            "- c=64 throughput {:.0}/s = {ratio:.2}x Postgres ({:.0}/s), target 1.5x: {}",
+            f64_.throughput(),
+            p64.throughput(),
+            verdict(ratio >= 1.5)
+        );
+        println!(
+            "- c=64 p99 {:.3} ms vs Postgres {:.3} ms: {}",
+            f64_.p99(),
+            p64.p99(),
+            verdict(f64_.p99() < p64.p99())
+        );
+    }
+    for (c, m) in &fence {
+        let r = m.p99() / m.p50();
+        println!(
+            "- c={c} p99/p50 = {r:.2} (target <= 3): {}",
+            verdict(r <= 3.0)
+        );
+    }
+    if common.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "NOT met" }
+}
+
+async fn scale(common: Common, sizes: Vec<u64>, threads: usize) -> Result<()> {
+    let dir = work_dir(&common)?;
+    println!("machine: {}; data dir {}", machine(), dir.display());
+    let data = dir.join("fence-data");
+    let mut stored = 0u64;
+    let warmup = Duration::from_secs(common.warmup);
+    let measure = Duration::from_secs(common.seconds);
+    let mut lines = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        if size < stored {
+            bail!("sizes must ascend");
+        }
+        if size > stored {
+            eprintln!(
+                "preloading {} effects ({stored} -> {size})...",
+                size - stored
+            );
+            let d = data.clone();
+            let (from, to) = (stored, size);
+            let took =
+                tokio::task::spawn_blocking(move || load::preload(&d, from, to, threads)).await??;
+            eprintln!(
+                "  {:.0} s ({:.0} effects/s, on-disk {:.2} GiB)",
+                took.as_secs_f64(),
+                (to - from) as f64 / took.as_secs_f64(),
+                load::disk_usage(&data) as f64 / (1u64 << 30) as f64
+            );
+            stored = size;
+        }
+        let fenced = start_fenced(&common, &data, &dir.join("fenced.log")).await?;
+        if size == 0 {
+            load::register_tool(fenced.channel().await?).await?;
+        }
+        let target = Target::Fence(channels(&fenced, common.connections).await?);
+        for &c in &common.concurrency {
+            let m = load::closed_loop(&target, &format!("scale{i}"), c, warmup, measure).await?;
+            let line = format!(
+                "| {size} | {c} | {:.0} | {:.3} | {:.3} | {:.3} | {:.1} |",
+                m.throughput(),
+                m.p50(),
+                m.p99(),
+                m.p999(),
+                fenced.rss_kib().unwrap_or(0) as f64 / 1024.0
+            );
+            eprintln!("{line}");
+            lines.push(line);
+        }
+        fenced.stop().await;
+    }
+    println!(
+        "\n| stored effects | concurrency | effects/s | p50 ms | p99 ms | p99.9 ms | fenced RSS MiB |\n|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for l in lines {
+        println!("{l}");
+    }
+    println!(
+        "\non-disk size of the ledger: {:.2} GiB",
+        load::disk_usage(&data) as f64 / (1u64 << 30) as f64
+    );
+    if common.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    match Args::parse().command {
+        Command::Compare {
+            common,
+            postgres,
+            fsyncs,
+        } => compare(common, postgres, fsyncs).await,
+        Command::Scale {
+            common,
+            sizes,
+            preload_threads,
+        } => scale(common, sizes, preload_threads).await,
+    }
+}

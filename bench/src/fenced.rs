@@ -1,0 +1,222 @@
+//! The real `fenced` binary as a child process: started on `127.0.0.1:0` over a data dir,
+//! killed with SIGKILL and restarted on the same data dir, and measured (`VmRSS`).
+//!
+//! Callers get the current channel through a watch: `None` while the server is down, so an
+//! RPC that failed because of a kill waits for the restart instead of spinning.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tokio::sync::{Mutex, watch};
+use tonic::transport::{Channel, Endpoint};
+
+/// Where `fenced` is: `$FENCED`, else next to the running executable (`target/<profile>/`),
+/// also when that executable is a test in `target/<profile>/deps/`.
+pub fn default_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("FENCED") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("current executable")?;
+    let dir = exe.parent().context("executable directory")?;
+    for d in [Some(dir), dir.parent()].into_iter().flatten() {
+        let candidate = d.join("fenced");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "cannot find fenced next to {}; build it (cargo build --workspace) or set FENCED",
+        exe.display()
+    )
+}
+
+struct Running {
+    child: Child,
+    url: String,
+}
+
+/// A supervised `fenced` child process.
+pub struct Fenced {
+    binary: PathBuf,
+    data_dir: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+    running: Mutex<Option<Running>>,
+    channel: watch::Sender<Option<Channel>>,
+    kills: AtomicU64,
+    pid: AtomicU64,
+    url: std::sync::Mutex<String>,
+}
+
+impl std::fmt::Debug for Fenced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fenced")
+            .field("binary", &self.binary)
+            .field("data_dir", &self.data_dir)
+            .finish()
+    }
+}
+
+fn spawn(binary: &Path, data_dir: &Path, args: &[String], log: &Path) -> Result<Running> {
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("open {}", log.display()))?;
+    let mut child = Command::new(binary)
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .args(args)
+        .env(
+            "RUST_LOG",
+            std::env::var("FENCED_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(stderr))
+        .spawn()
+        .with_context(|| format!("spawn {}", binary.display()))?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().context("child stdout")?)
+        .read_line(&mut line)
+        .context("read the ready line")?;
+    let Some(addr) = line.trim().strip_prefix("fenced listening on ") else {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!(
+            "fenced did not start (ready line {line:?}); see {}",
+            log.display()
+        );
+    };
+    Ok(Running {
+        url: format!("http://{addr}"),
+        child,
+    })
+}
+
+async fn connect(url: &str) -> Result<Channel> {
+    let endpoint = Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true);
+    // The ready line is printed before the store is open: retry until it answers.
+    for _ in 0..500 {
+        if let Ok(ch) = endpoint.connect().await {
+            return Ok(ch);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    bail!("cannot connect to {url}")
+}
+
+impl Fenced {
+    /// Starts `binary` over `data_dir` with extra flags; its stderr goes to `log`.
+    pub async fn start(
+        binary: PathBuf,
+        data_dir: PathBuf,
+        args: Vec<String>,
+        log: PathBuf,
+    ) -> Result<Self> {
+        let (b, d, a, l) = (binary.clone(), data_dir.clone(), args.clone(), log.clone());
+        let running = tokio::task::spawn_blocking(move || spawn(&b, &d, &a, &l)).await??;
+        let channel = connect(&running.url).await?;
+        let pid = AtomicU64::new(u64::from(running.child.id()));
+        let url = std::sync::Mutex::new(running.url.clone());
+        Ok(Self {
+            url,
+            binary,
+            data_dir,
+            args,
+            log,
+            running: Mutex::new(Some(running)),
+            channel: watch::channel(Some(channel)).0,
+            kills: AtomicU64::new(0),
+            pid,
+        })
+    }
+
+    /// The current channel (`None` while restarting).
+    pub fn watch(&self) -> watch::Receiver<Option<Channel>> {
+        self.channel.subscribe()
+    }
+
+    /// A channel to the running server, waiting through a restart.
+    pub async fn channel(&self) -> Result<Channel> {
+        let mut rx = self.watch();
+        let ch = rx
+            .wait_for(Option::is_some)
+            .await
+            .context("the supervisor is gone")?;
+        Ok(ch.clone().expect("waited for Some"))
+    }
+
+    /// The server's current URL (`http://127.0.0.1:PORT`).
+    pub fn url(&self) -> String {
+        self.url.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.pid.load(Ordering::Relaxed) as u32
+    }
+
+    /// How many times it was killed.
+    pub fn kills(&self) -> u64 {
+        self.kills.load(Ordering::Relaxed)
+    }
+
+    /// The server's resident memory (`VmRSS`), in KiB.
+    pub fn rss_kib(&self) -> Option<u64> {
+        rss_kib(self.pid())
+    }
+
+    /// `kill -9`, then a restart on the same data dir (on a new port).
+    pub async fn kill_and_restart(&self) -> Result<()> {
+        let mut running = self.running.lock().await;
+        self.channel.send_replace(None);
+        if let Some(mut r) = running.take() {
+            // std's Child::kill is SIGKILL on Unix.
+            r.child.kill().context("SIGKILL fenced")?;
+            tokio::task::spawn_blocking(move || r.child.wait()).await??;
+            self.kills.fetch_add(1, Ordering::Relaxed);
+        }
+        let (b, d, a, l) = (
+            self.binary.clone(),
+            self.data_dir.clone(),
+            self.args.clone(),
+            self.log.clone(),
+        );
+        let r = tokio::task::spawn_blocking(move || spawn(&b, &d, &a, &l)).await??;
+        let channel = connect(&r.url).await?;
+        self.pid.store(u64::from(r.child.id()), Ordering::Relaxed);
+        *self.url.lock().unwrap_or_else(|e| e.into_inner()) = r.url.clone();
+        *running = Some(r);
+        self.channel.send_replace(Some(channel));
+        Ok(())
+    }
+
+    /// Stops the server (SIGKILL: everything it acknowledged is already durable).
+    pub async fn stop(&self) {
+        let mut running = self.running.lock().await;
+        self.channel.send_replace(None);
+        if let Some(mut r) = running.take() {
+            let _ = r.child.kill();
+            let _ = tokio::task::spawn_blocking(move || r.child.wait()).await;
+        }
+    }
+}
+
+/// `VmRSS` of a process, in KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}

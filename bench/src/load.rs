@@ -1,0 +1,512 @@
+//! The cost benchmarks' load generator: begin+complete per effect over real gRPC on loopback
+//! against a `fenced` child process (WAL sync on, the server's default), the same effect
+//! ledger done the usual way (an idempotency-key table in PostgreSQL with
+//! `synchronous_commit=on`), and the physical floor under both (a bare `fdatasync` loop on the
+//! same disk, and a gRPC round trip that touches no disk).
+//!
+//! Every measurement is a closed loop: `concurrency` workers each issue one effect after the
+//! other for a fixed time; latencies after the warm-up go into an HDR histogram (microseconds).
+
+use std::future::Future;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use fence_proto::v1 as pb;
+use fence_proto::v1::decision::Outcome;
+use fence_proto::v1::fence_client::FenceClient;
+use fence_server::clock::SystemClock;
+use fence_server::ledger::{BeginCmd, Decision, OpClass, Outcome as LedgerOutcome, ToolDef};
+use hdrhistogram::Histogram;
+use tonic::transport::Channel;
+
+/// The tenant every load request uses (dev mode's default).
+pub const TENANT: &str = "default";
+/// The tool every load request calls.
+pub const TOOL: &str = "bench.transfer";
+
+/// Latencies of one measurement.
+#[derive(Debug, Clone)]
+pub struct Measured {
+    /// Operations completed in the measured window.
+    pub ops: u64,
+    /// The measured window.
+    pub window: Duration,
+    /// Latency histogram, microseconds.
+    pub hist: Histogram<u64>,
+}
+
+impl Measured {
+    fn new(window: Duration) -> Self {
+        Self {
+            ops: 0,
+            window,
+            hist: new_hist(),
+        }
+    }
+
+    /// Operations per second.
+    pub fn throughput(&self) -> f64 {
+        self.ops as f64 / self.window.as_secs_f64().max(1e-9)
+    }
+
+    /// A quantile in milliseconds.
+    pub fn ms(&self, q: f64) -> f64 {
+        self.hist.value_at_quantile(q) as f64 / 1000.0
+    }
+
+    /// p50 in milliseconds.
+    pub fn p50(&self) -> f64 {
+        self.ms(0.50)
+    }
+
+    /// p99 in milliseconds.
+    pub fn p99(&self) -> f64 {
+        self.ms(0.99)
+    }
+
+    /// p99.9 in milliseconds.
+    pub fn p999(&self) -> f64 {
+        self.ms(0.999)
+    }
+}
+
+/// A histogram of 1 µs to 100 s with three significant digits.
+pub fn new_hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 100_000_000, 3).expect("valid histogram bounds")
+}
+
+fn micros(d: Duration) -> u64 {
+    (d.as_micros() as u64).clamp(1, 100_000_000)
+}
+
+/// The bare `fdatasync` floor: `count` appends of 100 bytes to a new file in `dir`, each
+/// followed by `fdatasync` (std's `sync_data`). With `preallocated`, the file is written
+/// first and the loop overwrites it in place (no size change to flush), as a WAL that
+/// recycles its files does.
+pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<Measured> {
+    let path = dir.join(format!("fdatasync-floor-{}.bin", std::process::id()));
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("create {}", path.display()))?;
+    let record = [0x5au8; 100];
+    if preallocated {
+        for _ in 0..count {
+            file.write_all(&record)?;
+        }
+        file.sync_all()?;
+        use std::io::Seek;
+        file.seek(std::io::SeekFrom::Start(0))?;
+    }
+    let started = Instant::now();
+    let mut m = Measured::new(Duration::ZERO);
+    for _ in 0..count {
+        let t = Instant::now();
+        file.write_all(&record)?;
+        file.sync_data()?;
+        m.hist.record(micros(t.elapsed()))?;
+        m.ops += 1;
+    }
+    m.window = started.elapsed();
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok(m)
+}
+
+/// Round trips of the standard gRPC health check: the network and gRPC cost of one call,
+/// with no disk in it.
+pub async fn grpc_round_trip(channel: Channel, count: u64) -> Result<Measured> {
+    let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+    let started = Instant::now();
+    let mut m = Measured::new(Duration::ZERO);
+    for i in 0..count + count / 10 {
+        let t = Instant::now();
+        client
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .context("health check")?;
+        if i >= count / 10 {
+            m.hist.record(micros(t.elapsed()))?;
+            m.ops += 1;
+        }
+    }
+    m.window = started.elapsed();
+    Ok(m)
+}
+
+/// Arguments of the `n`-th load effect: intent fields plus volatile ones, ~150 bytes.
+pub fn arguments(worker: u64, n: u64) -> String {
+    format!(
+        r#"{{"to":"acct-{}","amount":{},"currency":"EUR","ref":"{:08x}-{:04x}-4000-8000-{:012x}","ts":"2026-03-01T10:{:02}:{:02}Z"}}"#,
+        n % 5000,
+        100 + n % 100_000,
+        worker,
+        n & 0xffff,
+        n,
+        (n / 60) % 60,
+        n % 60
+    )
+}
+
+/// Registers the load tool on a server.
+pub async fn register_tool(channel: Channel) -> Result<()> {
+    FenceClient::new(channel)
+        .register_tool(pb::RegisterToolRequest {
+            tool: Some(pb::ToolSpec {
+                name: TOOL.into(),
+                class: pb::OperationClass::NonRetryable as i32,
+                intent_schema: Some(pb::IntentSchema {
+                    volatile_fields: vec!["ref".into(), "ts".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        })
+        .await
+        .context("register the load tool")?;
+    Ok(())
+}
+
+/// What a closed-loop measurement needs: one effect, begun and completed.
+trait EffectClient: Send + 'static {
+    fn effect(&mut self, worker: u64, n: u64) -> impl Future<Output = Result<()>> + Send;
+}
+
+struct FenceEffects {
+    client: FenceClient<Channel>,
+    run_id: String,
+}
+
+impl EffectClient for FenceEffects {
+    async fn effect(&mut self, worker: u64, n: u64) -> Result<()> {
+        let begun = self
+            .client
+            .begin(pb::BeginRequest {
+                run_id: self.run_id.clone(),
+                tool: TOOL.into(),
+                step_key: format!("s{n}"),
+                arguments_json: arguments(worker, n),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let Some(Outcome::Execute(ex)) = begun.decision.and_then(|d| d.outcome) else {
+            bail!("expected a grant for a new effect");
+        };
+        self.client
+            .complete(pb::CompleteRequest {
+                effect_id: ex.effect_id,
+                attempt: ex.attempt,
+                outcome: Some(pb::complete_request::Outcome::Result(
+                    format!("tx-{worker}-{n}").into_bytes(),
+                )),
+                ..Default::default()
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+struct PgEffects {
+    client: tokio_postgres::Client,
+    begin: tokio_postgres::Statement,
+    complete: tokio_postgres::Statement,
+    run_id: String,
+    schema: fence_server::canonical::IntentSchema,
+}
+
+impl EffectClient for PgEffects {
+    async fn effect(&mut self, worker: u64, n: u64) -> Result<()> {
+        let args = arguments(worker, n);
+        // The usual way still fingerprints the request, so a retry can be compared.
+        let value = fence_server::canonical::parse_arguments(&args)?;
+        let canonical = fence_server::canonical::canonical_intent(&value, &self.schema);
+        let fp = fence_server::canonical::intent_fingerprint(TOOL, &canonical);
+        let step = format!("s{n}");
+        let row = self
+            .client
+            .query_opt(
+                &self.begin,
+                &[&TENANT, &self.run_id, &step, &&fp[..], &args],
+            )
+            .await?;
+        if row.is_none() {
+            bail!("expected a new row for a new effect");
+        }
+        let result = format!("tx-{worker}-{n}").into_bytes();
+        let updated = self
+            .client
+            .execute(&self.complete, &[&TENANT, &self.run_id, &step, &result])
+            .await?;
+        if updated != 1 {
+            bail!("complete updated {updated} rows");
+        }
+        Ok(())
+    }
+}
+
+/// The idempotency-key table of the Postgres peer (created by `scripts/bench-postgres.sh`).
+pub const PG_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS effects (
+    tenant text NOT NULL,
+    run_id text NOT NULL,
+    step_key text NOT NULL,
+    intent_fp bytea NOT NULL,
+    arguments text NOT NULL,
+    state smallint NOT NULL,
+    result bytea,
+    lease_expires_at timestamptz,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant, run_id, step_key)
+)";
+
+const PG_BEGIN: &str =
+    "INSERT INTO effects (tenant, run_id, step_key, intent_fp, arguments, state, lease_expires_at)
+    VALUES ($1, $2, $3, $4, $5, 1, now() + interval '30 seconds')
+    ON CONFLICT (tenant, run_id, step_key) DO NOTHING
+    RETURNING state";
+
+const PG_COMPLETE: &str =
+    "UPDATE effects SET state = 3, result = $4, lease_expires_at = NULL, updated_at = now()
+    WHERE tenant = $1 AND run_id = $2 AND step_key = $3 AND state = 1";
+
+async fn pg_client(url: &str) -> Result<tokio_postgres::Client> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .with_context(|| format!("connect to {url}"))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            eprintln!("postgres connection: {e}");
+        }
+    });
+    Ok(client)
+}
+
+/// Checks the Postgres peer is reachable, with `synchronous_commit` on, and creates the table.
+pub async fn pg_prepare(url: &str) -> Result<String> {
+    let client = pg_client(url).await?;
+    client.batch_execute(PG_SCHEMA).await?;
+    let sync: String = client
+        .query_one("SHOW synchronous_commit", &[])
+        .await?
+        .get(0);
+    let fsync: String = client.query_one("SHOW fsync", &[]).await?.get(0);
+    let method: String = client.query_one("SHOW wal_sync_method", &[]).await?.get(0);
+    let version: String = client.query_one("SHOW server_version", &[]).await?.get(0);
+    if sync != "on" || fsync != "on" {
+        bail!(
+            "the Postgres peer must run with synchronous_commit=on and fsync=on (has {sync}, {fsync})"
+        );
+    }
+    Ok(format!(
+        "PostgreSQL {version}, synchronous_commit={sync}, fsync={fsync}, wal_sync_method={method}"
+    ))
+}
+
+/// Which system a closed loop drives.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// Fence over these channels (workers share them round-robin).
+    Fence(Vec<Channel>),
+    /// The Postgres peer at this URL (one connection per worker).
+    Postgres(String),
+}
+
+/// Runs `concurrency` closed-loop workers for `warmup + measure`; `label` keeps run ids
+/// unique across measurements.
+pub async fn closed_loop(
+    target: &Target,
+    label: &str,
+    concurrency: usize,
+    warmup: Duration,
+    measure: Duration,
+) -> Result<Measured> {
+    let start = Instant::now() + Duration::from_millis(200);
+    let measure_from = start + warmup;
+    let end = measure_from + measure;
+    let failures = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::with_capacity(concurrency);
+    for w in 0..concurrency as u64 {
+        let run_id = format!("load-{label}-c{concurrency}-w{w}");
+        let failures = failures.clone();
+        match target {
+            Target::Fence(channels) => {
+                let client = FenceEffects {
+                    client: FenceClient::new(channels[w as usize % channels.len()].clone()),
+                    run_id,
+                };
+                tasks.push(tokio::spawn(worker(
+                    client,
+                    w,
+                    start,
+                    measure_from,
+                    end,
+                    failures,
+                )));
+            }
+            Target::Postgres(url) => {
+                let client = pg_client(url).await?;
+                let begin = client.prepare(PG_BEGIN).await?;
+                let complete = client.prepare(PG_COMPLETE).await?;
+                let c = PgEffects {
+                    client,
+                    begin,
+                    complete,
+                    run_id,
+                    schema: fence_server::canonical::IntentSchema::new(
+                        &["ref".into(), "ts".into()],
+                        &[],
+                        fence_server::canonical::StringRule::Exact,
+                    )?,
+                };
+                tasks.push(tokio::spawn(worker(
+                    c,
+                    w,
+                    start,
+                    measure_from,
+                    end,
+                    failures,
+                )));
+            }
+        }
+    }
+    let mut total = Measured::new(measure);
+    for t in tasks {
+        let m = t.await.context("worker task")??;
+        total.ops += m.ops;
+        total.hist.add(&m.hist)?;
+    }
+    let failed = failures.load(Ordering::Relaxed);
+    if failed > 0 {
+        bail!("{failed} effects failed during the measurement");
+    }
+    Ok(total)
+}
+
+async fn worker<C: EffectClient>(
+    mut client: C,
+    w: u64,
+    start: Instant,
+    measure_from: Instant,
+    end: Instant,
+    failures: Arc<AtomicU64>,
+) -> Result<Measured> {
+    tokio::time::sleep_until(start.into()).await;
+    let mut m = Measured::new(end - measure_from);
+    let mut n = 0u64;
+    loop {
+        let t = Instant::now();
+        if t >= end {
+            break;
+        }
+        n += 1;
+        if let Err(e) = client.effect(w, n).await {
+            if failures.fetch_add(1, Ordering::Relaxed) < 5 {
+                eprintln!("worker {w}: effect {n} failed: {e:#}");
+            }
+            continue;
+        }
+        if t >= measure_from {
+            m.hist.record(micros(t.elapsed()))?;
+            m.ops += 1;
+        }
+    }
+    Ok(m)
+}
+
+/// Fills the ledger in `data_dir` (the layout `fenced --data-dir` uses) with completed
+/// effects, in-process through the real ledger and its synced writes, from `threads` threads
+/// at once (RocksDB's group commit shares each fsync). Effects go to runs of 1000 named after
+/// their number, so a preload can be continued from where it stopped.
+pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Duration> {
+    let config = fence_server::Config::with_data_dir(data_dir);
+    let ledger = fence_server::server::open_ledger(&config, Arc::new(SystemClock))
+        .context("open the ledger")?;
+    ledger.register_tool(
+        TENANT,
+        ToolDef {
+            name: TOOL.into(),
+            class: OpClass::NonRetryable.code(),
+            volatile_fields: vec!["ref".into(), "ts".into()],
+            ..Default::default()
+        },
+    )?;
+    let next = AtomicU64::new(from);
+    let started = Instant::now();
+    let progress = AtomicU64::new(0);
+    std::thread::scope(|s| -> Result<()> {
+        let mut handles = Vec::new();
+        for t in 0..threads.max(1) {
+            let (ledger, next, progress) = (&ledger, &next, &progress);
+            handles.push(s.spawn(move || -> Result<()> {
+                loop {
+                    // Each thread takes 1000 effects (one run) at a time.
+                    let base = next.fetch_add(1000, Ordering::Relaxed);
+                    if base >= to {
+                        return Ok(());
+                    }
+                    let run_id = format!("preload-{:09}", base / 1000);
+                    for n in base..(base + 1000).min(to) {
+                        let cmd = BeginCmd {
+                            run_id: run_id.clone(),
+                            tool: TOOL.into(),
+                            step_key: format!("s{n}"),
+                            arguments_json: arguments(t as u64, n),
+                            ..Default::default()
+                        };
+                        let Decision::Execute { receipt, .. } =
+                            ledger.begin(TENANT, &cmd)?.decision
+                        else {
+                            bail!("preload: expected a grant for effect {n}");
+                        };
+                        ledger.complete(
+                            TENANT,
+                            &receipt.id().to_string(),
+                            receipt.attempt,
+                            0,
+                            LedgerOutcome::Completed(format!("tx-{n}").into_bytes()),
+                        )?;
+                    }
+                    let done = progress.fetch_add(1000, Ordering::Relaxed) + 1000;
+                    if done % 500_000 == 0 {
+                        eprintln!(
+                            "  preloaded {} effects ({:.0}/s)",
+                            from + done,
+                            done as f64 / started.elapsed().as_secs_f64()
+                        );
+                    }
+                }
+            }));
+        }
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a preload thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    ledger.store().flush()?;
+    Ok(started.elapsed())
+}
+
+/// Bytes under `path` (recursively).
+pub fn disk_usage(path: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => disk_usage(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
