@@ -974,3 +974,29 @@ fn a_lost_grant_is_recovered_by_the_same_request_id_and_only_by_it() {
     );
     let _ = lapsing;
 }
+
+#[test]
+fn an_unkeyed_repeat_of_an_effect_that_failed_before_input_is_granted_again() {
+    let h = harness();
+    bank(&h);
+    let first = executed(h.begin(&call("r1", TRANSFER, ARGS)));
+    h.ledger
+        .complete(
+            T,
+            &first.id().to_string(),
+            1,
+            0,
+            Outcome::FailedBeforeInput("connect refused".into()),
+        )
+        .unwrap();
+    // Not a duplicate: the first never happened. Same effect, same downstream key, attempt 2.
+    let again = executed(h.begin(&call("r1", TRANSFER, DRIFTED)));
+    assert_eq!((again.id(), again.attempt), (first.id(), 2));
+    assert_eq!(again.downstream_key, first.downstream_key);
+    complete(&h, &again, "tx-1");
+    // Once it happened, an unkeyed repeat is a suspected duplicate again.
+    refused(
+        h.begin(&call("r1", TRANSFER, ARGS)),
+        Reason::DuplicateIntent,
+    );
+}

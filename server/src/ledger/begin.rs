@@ -438,7 +438,10 @@ impl<S: Store> Ledger<S> {
         match latest {
             Some(seq) if !call.cmd.deliberate_repeat => {
                 let rec = self.load_seq(&call.rk, seq)?;
-                Ok(if call.class() == OpClass::Deduplicate {
+                // A prior that certainly did not happen is not a duplicate: it is granted
+                // again (same effect, same downstream key), as DESIGN allows.
+                let did_not_happen = rec.view(call.now).state() == State::FailedBeforeInput;
+                Ok(if call.class() == OpClass::Deduplicate || did_not_happen {
                     Match::Existing { rec, tape: false }
                 } else {
                     Match::Duplicate(rec)
