@@ -46,7 +46,8 @@ pub struct Fenced {
     args: Vec<String>,
     log: PathBuf,
     running: Mutex<Option<Running>>,
-    channel: watch::Sender<Option<Channel>>,
+    channel: watch::Sender<Option<Vec<Channel>>>,
+    connections: usize,
     kills: AtomicU64,
     pid: AtomicU64,
     url: std::sync::Mutex<String>,
@@ -98,31 +99,42 @@ fn spawn(binary: &Path, data_dir: &Path, args: &[String], log: &Path) -> Result<
     })
 }
 
-async fn connect(url: &str) -> Result<Channel> {
+/// `n` separate HTTP/2 connections to `url`.
+async fn connect(url: &str, n: usize) -> Result<Vec<Channel>> {
     let endpoint = Endpoint::from_shared(url.to_owned())?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true);
+    let mut out = Vec::with_capacity(n);
     // The ready line is printed before the store is open: retry until it answers.
-    for _ in 0..500 {
+    for _ in 0..3000 {
         if let Ok(ch) = endpoint.connect().await {
-            return Ok(ch);
+            out.push(ch);
+            break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    bail!("cannot connect to {url}")
+    if out.is_empty() {
+        bail!("cannot connect to {url}");
+    }
+    while out.len() < n.max(1) {
+        out.push(endpoint.connect().await?);
+    }
+    Ok(out)
 }
 
 impl Fenced {
-    /// Starts `binary` over `data_dir` with extra flags; its stderr goes to `log`.
+    /// Starts `binary` over `data_dir` with extra flags; its stderr goes to `log`. Callers
+    /// share `connections` HTTP/2 connections (see [`Fenced::channel_for`]).
     pub async fn start(
         binary: PathBuf,
         data_dir: PathBuf,
         args: Vec<String>,
         log: PathBuf,
+        connections: usize,
     ) -> Result<Self> {
         let (b, d, a, l) = (binary.clone(), data_dir.clone(), args.clone(), log.clone());
         let running = tokio::task::spawn_blocking(move || spawn(&b, &d, &a, &l)).await??;
-        let channel = connect(&running.url).await?;
+        let channel = connect(&running.url, connections).await?;
         let pid = AtomicU64::new(u64::from(running.child.id()));
         let url = std::sync::Mutex::new(running.url.clone());
         Ok(Self {
@@ -133,24 +145,27 @@ impl Fenced {
             log,
             running: Mutex::new(Some(running)),
             channel: watch::channel(Some(channel)).0,
+            connections,
             kills: AtomicU64::new(0),
             pid,
         })
     }
 
-    /// The current channel (`None` while restarting).
-    pub fn watch(&self) -> watch::Receiver<Option<Channel>> {
-        self.channel.subscribe()
+    /// A channel to the running server, waiting through a restart (at most a minute).
+    pub async fn channel(&self) -> Result<Channel> {
+        self.channel_for(0).await
     }
 
-    /// A channel to the running server, waiting through a restart.
-    pub async fn channel(&self) -> Result<Channel> {
-        let mut rx = self.watch();
-        let ch = rx
-            .wait_for(Option::is_some)
+    /// Connection `i` (modulo their number), waiting through a restart (at most a minute).
+    /// Agents are separate processes in real life: give each its own connection.
+    pub async fn channel_for(&self, i: usize) -> Result<Channel> {
+        let mut rx = self.channel.subscribe();
+        let chans = tokio::time::timeout(Duration::from_secs(60), rx.wait_for(Option::is_some))
             .await
+            .context("fenced is not back after a minute")?
             .context("the supervisor is gone")?;
-        Ok(ch.clone().expect("waited for Some"))
+        let chans = chans.as_ref().expect("waited for Some");
+        Ok(chans[i % chans.len()].clone())
     }
 
     /// The server's current URL (`http://127.0.0.1:PORT`).
@@ -173,29 +188,56 @@ impl Fenced {
         rss_kib(self.pid())
     }
 
-    /// `kill -9`, then a restart on the same data dir (on a new port).
+    /// `kill -9`, then a restart on the same data dir (on a new port). A failed start is
+    /// retried, so callers waiting for the server are never left waiting for nothing.
     pub async fn kill_and_restart(&self) -> Result<()> {
         let mut running = self.running.lock().await;
         self.channel.send_replace(None);
         if let Some(mut r) = running.take() {
-            // std's Child::kill is SIGKILL on Unix.
-            r.child.kill().context("SIGKILL fenced")?;
-            tokio::task::spawn_blocking(move || r.child.wait()).await??;
+            // std's Child::kill is SIGKILL on Unix; reap the child whatever kill says.
+            let killed = r.child.kill();
+            tokio::task::spawn_blocking(move || r.child.wait())
+                .await?
+                .context("reap fenced")?;
+            killed.context("SIGKILL fenced")?;
             self.kills.fetch_add(1, Ordering::Relaxed);
         }
+        let mut failure = None;
+        for attempt in 1..=5 {
+            match self.spawn_and_connect().await {
+                Ok((r, channel)) => {
+                    self.pid.store(u64::from(r.child.id()), Ordering::Relaxed);
+                    *self.url.lock().unwrap_or_else(|e| e.into_inner()) = r.url.clone();
+                    *running = Some(r);
+                    self.channel.send_replace(Some(channel));
+                    return Ok(());
+                }
+                Err(e) => {
+                    eprintln!("fenced restart, try {attempt}: {e:#}");
+                    failure = Some(e);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        Err(failure.expect("five failed tries"))
+    }
+
+    async fn spawn_and_connect(&self) -> Result<(Running, Vec<Channel>)> {
         let (b, d, a, l) = (
             self.binary.clone(),
             self.data_dir.clone(),
             self.args.clone(),
             self.log.clone(),
         );
-        let r = tokio::task::spawn_blocking(move || spawn(&b, &d, &a, &l)).await??;
-        let channel = connect(&r.url).await?;
-        self.pid.store(u64::from(r.child.id()), Ordering::Relaxed);
-        *self.url.lock().unwrap_or_else(|e| e.into_inner()) = r.url.clone();
-        *running = Some(r);
-        self.channel.send_replace(Some(channel));
-        Ok(())
+        let mut r = tokio::task::spawn_blocking(move || spawn(&b, &d, &a, &l)).await??;
+        match connect(&r.url, self.connections).await {
+            Ok(channel) => Ok((r, channel)),
+            Err(e) => {
+                let _ = r.child.kill();
+                let _ = tokio::task::spawn_blocking(move || r.child.wait()).await;
+                Err(e)
+            }
+        }
     }
 
     /// Stops the server (SIGKILL: everything it acknowledged is already durable).
@@ -205,6 +247,17 @@ impl Fenced {
         if let Some(mut r) = running.take() {
             let _ = r.child.kill();
             let _ = tokio::task::spawn_blocking(move || r.child.wait()).await;
+        }
+    }
+}
+
+impl Drop for Fenced {
+    fn drop(&mut self) {
+        if let Ok(mut running) = self.running.try_lock()
+            && let Some(r) = running.as_mut()
+        {
+            let _ = r.child.kill();
+            let _ = r.child.wait();
         }
     }
 }

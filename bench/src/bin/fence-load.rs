@@ -61,6 +61,10 @@ enum Command {
         /// fdatasync calls of the floor loop.
         #[arg(long, default_value_t = 2000)]
         fsyncs: u64,
+        /// Also measure the same service served in-process with TCP_NODELAY on accepted
+        /// connections (fenced's listener does not set it), to show what that option changes.
+        #[arg(long)]
+        nodelay_experiment: bool,
     },
     /// Latency and memory of Fence as the number of stored effects grows.
     Scale {
@@ -96,22 +100,21 @@ async fn start_fenced(common: &Common, data: &Path, log: &Path) -> Result<Fenced
         Some(b) => b.clone(),
         None => default_binary()?,
     };
-    let fenced = Fenced::start(binary, data.to_path_buf(), Vec::new(), log.to_path_buf()).await?;
+    let fenced = Fenced::start(
+        binary,
+        data.to_path_buf(),
+        Vec::new(),
+        log.to_path_buf(),
+        common.connections,
+    )
+    .await?;
     Ok(fenced)
 }
 
 async fn channels(fenced: &Fenced, n: usize) -> Result<Vec<Channel>> {
-    // Separate HTTP/2 connections: one per `connect` of a fresh endpoint.
-    let first = fenced.channel().await?;
-    let mut out = vec![first.clone()];
-    let url = fenced.url();
-    for _ in 1..n.max(1) {
-        out.push(
-            tonic::transport::Endpoint::from_shared(url.clone())?
-                .tcp_nodelay(true)
-                .connect()
-                .await?,
-        );
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n.max(1) {
+        out.push(fenced.channel_for(i).await?);
     }
     Ok(out)
 }
@@ -144,7 +147,12 @@ fn machine() -> String {
     format!("{cores} cores, {cpu}")
 }
 
-async fn compare(common: Common, postgres: Option<String>, fsyncs: u64) -> Result<()> {
+async fn compare(
+    common: Common,
+    postgres: Option<String>,
+    fsyncs: u64,
+    nodelay_experiment: bool,
+) -> Result<()> {
     let dir = work_dir(&common)?;
     println!("machine: {}; data dir {}", machine(), dir.display());
     let pg_info = match &postgres {
@@ -200,6 +208,30 @@ async fn compare(common: Common, postgres: Option<String>, fsyncs: u64) -> Resul
     fenced.stop().await;
     drop(target);
 
+    // The experiment: the same service with TCP_NODELAY on accepted connections.
+    let mut nodelay = Vec::new();
+    if nodelay_experiment {
+        let server = load::InProcess::start(&dir.join("nodelay-data"), true).await?;
+        let mut chans = Vec::new();
+        for _ in 0..common.connections.max(1) {
+            chans.push(
+                tonic::transport::Endpoint::from_shared(server.url.clone())?
+                    .tcp_nodelay(true)
+                    .connect()
+                    .await?,
+            );
+        }
+        load::register_tool(chans[0].clone()).await?;
+        let target = Target::Fence(chans);
+        for &c in &common.concurrency {
+            let m = load::closed_loop(&target, "nodelay", c, warmup, measure).await?;
+            eprintln!("{}", row("Fence, in-process, TCP_NODELAY", c, &m));
+            nodelay.push((c, m));
+        }
+        drop(target);
+        server.stop().await;
+    }
+
     // The Postgres peer.
     let mut pg = Vec::new();
     if let Some(url) = &postgres {
@@ -222,6 +254,12 @@ async fn compare(common: Common, postgres: Option<String>, fsyncs: u64) -> Resul
         .zip(pg.iter().map(Some).chain(std::iter::repeat(None)))
     {
         println!("{}", row("Fence", *c, f));
+        if let Some((_, n)) = nodelay.iter().find(|(k, _)| k == c) {
+            println!(
+                "{}",
+                row("Fence in-process + TCP_NODELAY (experiment)", *c, n)
+            );
+        }
         if let Some((_, p)) = p {
             println!("{}", row("Postgres", *c, p));
         }
@@ -234,49 +272,63 @@ async fn compare(common: Common, postgres: Option<String>, fsyncs: u64) -> Resul
     }
 
     println!("\n## Targets\n");
-    let find =
-        |v: &[(usize, Measured)], c: usize| v.iter().find(|(k, _)| *k == c).map(|(_, m)| m.clone());
-    if let Some(f1) = find(&fence, 1) {
-        let ratio = f1.p50() / floor;
-        println!(
-            "- c=1 p50 {:.3} ms = {ratio:.2}x the floor ({floor:.3} ms): {}",
-            f1.p50(),
-            verdict(ratio <= 2.0)
-        );
-        if let Some(p1) = find(&pg, 1) {
-            println!(
-                "- c=1 p50 vs Postgres {:.3} ms: {}",
-                p1.p50(),
-                verdict(f1.p50() <= p1.p50())
-            );
-        }
-    }
-    if let (Some(f64_), Some(p64)) = (find(&fence, 64), find(&pg, 64)) {
-        let ratio = f64_.throughput() / p64.throughput();
-        println!(
-            "- c=64 throughput {:.0}/s = {ratio:.2}x Postgres ({:.0}/s), target 1.5x: {}",
-            f64_.throughput(),
-            p64.throughput(),
-            verdict(ratio >= 1.5)
-        );
-        println!(
-            "- c=64 p99 {:.3} ms vs Postgres {:.3} ms: {}",
-            f64_.p99(),
-            p64.p99(),
-            verdict(f64_.p99() < p64.p99())
-        );
-    }
-    for (c, m) in &fence {
-        let r = m.p99() / m.p50();
-        println!(
-            "- c={c} p99/p50 = {r:.2} (target <= 3): {}",
-            verdict(r <= 3.0)
+    targets("fenced", &fence, &pg, floor);
+    if !nodelay.is_empty() {
+        println!();
+        targets(
+            "in-process + TCP_NODELAY (experiment)",
+            &nodelay,
+            &pg,
+            floor,
         );
     }
     if common.dir.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
+}
+
+fn targets(label: &str, fence: &[(usize, Measured)], pg: &[(usize, Measured)], floor: f64) {
+    let find =
+        |v: &[(usize, Measured)], c: usize| v.iter().find(|(k, _)| *k == c).map(|(_, m)| m.clone());
+    if let Some(f1) = find(fence, 1) {
+        let ratio = f1.p50() / floor;
+        println!(
+            "- {label}: c=1 p50 {:.3} ms = {ratio:.2}x the floor ({floor:.3} ms), target 2x: {}",
+            f1.p50(),
+            verdict(ratio <= 2.0)
+        );
+        if let Some(p1) = find(pg, 1) {
+            println!(
+                "- {label}: c=1 p50 {:.3} ms vs Postgres {:.3} ms: {}",
+                f1.p50(),
+                p1.p50(),
+                verdict(f1.p50() <= p1.p50())
+            );
+        }
+    }
+    if let (Some(f64_), Some(p64)) = (find(fence, 64), find(pg, 64)) {
+        let ratio = f64_.throughput() / p64.throughput();
+        println!(
+            "- {label}: c=64 throughput {:.0}/s = {ratio:.2}x Postgres ({:.0}/s), target 1.5x: {}",
+            f64_.throughput(),
+            p64.throughput(),
+            verdict(ratio >= 1.5)
+        );
+        println!(
+            "- {label}: c=64 p99 {:.3} ms vs Postgres {:.3} ms: {}",
+            f64_.p99(),
+            p64.p99(),
+            verdict(f64_.p99() < p64.p99())
+        );
+    }
+    for (c, m) in fence {
+        let r = m.p99() / m.p50();
+        println!(
+            "- {label}: c={c} p99/p50 = {r:.2} (target <= 3): {}",
+            verdict(r <= 3.0)
+        );
+    }
 }
 
 fn verdict(ok: bool) -> &'static str {
@@ -355,7 +407,8 @@ async fn main() -> Result<()> {
             common,
             postgres,
             fsyncs,
-        } => compare(common, postgres, fsyncs).await,
+            nodelay_experiment,
+        } => compare(common, postgres, fsyncs, nodelay_experiment).await,
         Command::Scale {
             common,
             sizes,

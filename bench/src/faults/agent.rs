@@ -215,14 +215,7 @@ async fn run_workflow<P: Protection>(cfg: &Config, wf: &Workflow, p: &P, tally: 
         last_uuid.insert(step.tool.name, call.uuid.clone());
         let mut step = step;
         if drift.deliberate {
-            // The owner wants the change: a new plan from here on (new effects); the planned
-            // intent is superseded (it may or may not have happened before a restore).
-            for old in &st.plan[pos..] {
-                tally.supersede(crate::world::intent_tag(
-                    old.tool,
-                    &serde_json::Value::Object(old.intent.clone()),
-                ));
-            }
+            // The owner wants the change: a new plan from here on (new effects).
             let mut plan = st.plan[..pos].to_vec();
             st.generation = next_generation;
             next_generation += 1;
@@ -235,12 +228,12 @@ async fn run_workflow<P: Protection>(cfg: &Config, wf: &Workflow, p: &P, tally: 
             st.plan = plan;
             step = changed;
         }
+
         // What the agent means to do: the planned intent (a deliberate change is in the plan).
-        tally.intend(crate::world::intent_tag(
+        tally.plan(crate::world::intent_tag(
             step.tool,
             &serde_json::Value::Object(step.intent.clone()),
         ));
-
         let mut fault = faults[slot].pop_front();
         if let Some(f) = &fault {
             tally.fault(f.name());
@@ -284,6 +277,12 @@ async fn run_workflow<P: Protection>(cfg: &Config, wf: &Workflow, p: &P, tally: 
                             String::from_utf8_lossy(&result.response)
                         )),
                     }
+                    // The agent now believes its planned intent happened (a deliberate change
+                    // is in the plan): the world must show it.
+                    tally.intend(crate::world::intent_tag(
+                        step.tool,
+                        &serde_json::Value::Object(step.intent.clone()),
+                    ));
                     st.results[pos] = Some(result);
                     st.pos += 1;
                     break;

@@ -59,6 +59,7 @@ pub(super) struct FenceArm<'a> {
     server: Fenced,
     lease: Duration,
     acks: Mutex<Acks>,
+    requests: std::sync::atomic::AtomicU64,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -145,6 +146,7 @@ impl<'a> FenceArm<'a> {
             dir.join("data"),
             vec!["--lease-ms".into(), cfg.fence.lease_ms.to_string()],
             dir.join("fenced.log"),
+            cfg.agents,
         )
         .await?;
         let arm = Self {
@@ -152,6 +154,7 @@ impl<'a> FenceArm<'a> {
             server,
             lease: Duration::from_millis(cfg.fence.lease_ms),
             acks: Mutex::new(Acks::default()),
+            requests: std::sync::atomic::AtomicU64::new(1),
             _dir: owned,
         };
         for t in &TOOLS {
@@ -192,7 +195,20 @@ impl<'a> FenceArm<'a> {
 
     /// Calls the server, riding through kills: a transport failure waits for the restart and
     /// tries again (callers only send requests whose repetition the protocol handles).
-    async fn rpc<T, F, Fut>(&self, mut f: F) -> Result<T, Status>
+    async fn rpc<T, F, Fut>(&self, f: F) -> Result<T, Status>
+    where
+        F: FnMut(FenceClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        // Spread calls over the connections, as separate agent processes would.
+        let conn = self
+            .requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed) as usize;
+        self.rpc_on(conn, f).await
+    }
+
+    /// [`FenceArm::rpc`] on connection `conn` (each workflow has its own).
+    async fn rpc_on<T, F, Fut>(&self, conn: usize, mut f: F) -> Result<T, Status>
     where
         F: FnMut(FenceClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
@@ -201,7 +217,7 @@ impl<'a> FenceArm<'a> {
         loop {
             let channel = self
                 .server
-                .channel()
+                .channel_for(conn)
                 .await
                 .map_err(|e| Status::unavailable(e.to_string()))?;
             let outcome =
@@ -261,6 +277,13 @@ impl<'a> FenceArm<'a> {
             saga_id,
             compensation,
             compensates_effect_id: ctx.compensates.clone().unwrap_or_default(),
+            // One per logical call of this executor: a Begin re-sent after a lost answer (a
+            // kill) gets its own grant back instead of waiting for the lease.
+            request_id: format!(
+                "req-{}",
+                self.requests
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ),
             ..Default::default()
         }
     }

@@ -162,8 +162,8 @@ pub async fn workflows(cfg: &Config) -> (Vec<Workflow>, u64) {
 #[derive(Debug, Default)]
 pub struct Tally {
     faults: Mutex<BTreeMap<&'static str, u64>>,
+    planned: Mutex<HashSet<String>>,
     intended: Mutex<HashSet<String>>,
-    superseded: Mutex<HashSet<String>>,
     false_replays: AtomicU64,
     false_forks: AtomicU64,
     refused_changes: AtomicU64,
@@ -191,8 +191,8 @@ impl Tally {
             .insert(tag);
     }
 
-    fn supersede(&self, tag: String) {
-        self.superseded
+    fn plan(&self, tag: String) {
+        self.planned
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(tag);
@@ -220,7 +220,7 @@ pub struct ArmReport {
     pub workflows: u64,
     /// Faults injected, by kind.
     pub faults: BTreeMap<&'static str, u64>,
-    /// Distinct effects the agents meant to cause.
+    /// Distinct intents the agents planned (including deliberate changes).
     pub intended: u64,
     /// Real effects in the world.
     pub executed: u64,
@@ -236,8 +236,8 @@ pub struct ArmReport {
     pub lost_acks: Option<u64>,
     /// Effects of intent changes nobody decided (a redirected call that executed).
     pub unsanctioned: u64,
-    /// Intended effects that never happened (not refused by the world, not superseded by a
-    /// deliberate change).
+    /// Planned intents an agent completed a step for that never happened in the world (it
+    /// got another call's result, or its call was redirected).
     pub unresolved: u64,
     /// Intent changes refused (FORK_REQUIRED, ARGUMENT_MISMATCH, CREDENTIAL_CONSUMED).
     pub refused_changes: u64,
@@ -282,8 +282,8 @@ fn report(
         .intended
         .into_inner()
         .unwrap_or_else(|e| e.into_inner());
-    let superseded = tally
-        .superseded
+    let planned = tally
+        .planned
         .into_inner()
         .unwrap_or_else(|e| e.into_inner());
     let duplicates = totals
@@ -293,20 +293,17 @@ fn report(
         .sum();
     let executed_tags: HashMap<&String, u32> =
         totals.effects.iter().map(|(k, v)| (k, *v)).collect();
+    // Executed, though no plan ever held it: an accidental or redirected change.
     let unsanctioned = totals
         .effects
         .keys()
-        .filter(|t| !intended.contains(*t))
+        .filter(|t| !planned.contains(*t))
         .count() as u64;
-    // Never executed, though nothing said no: not refused by the world (a sold-out car), not
-    // replaced by a deliberate change.
+    // Believed done, never executed (a sold-out car is never "done"; a deliberate change is
+    // planned before its step completes).
     let mut unresolved_samples: Vec<String> = intended
         .iter()
-        .filter(|t| {
-            !executed_tags.contains_key(t)
-                && !totals.rejected.contains(*t)
-                && !superseded.contains(*t)
-        })
+        .filter(|t| !executed_tags.contains_key(t) && !totals.rejected.contains(*t))
         .cloned()
         .collect();
     let unresolved = unresolved_samples.len() as u64;
@@ -317,7 +314,7 @@ fn report(
         arm,
         workflows,
         faults: tally.faults.into_inner().unwrap_or_else(|e| e.into_inner()),
-        intended: intended.len() as u64,
+        intended: planned.len() as u64,
         executed: totals.executed,
         duplicates,
         resurrections: totals.resurrections,
