@@ -82,13 +82,10 @@ async fn with_step_keys_fence_shows_no_failure_where_the_other_arms_do() {
     );
 }
 
-/// Workflows without step keys (the ACRFence setting: the model's calls only). Fails today:
-/// a keyless Begin whose intent matches a FAILED_BEFORE_INPUT effect is refused
-/// DUPLICATE_INTENT instead of re-granted with the same downstream key, so the agent must send
-/// a deliberate repeat (a second effect, a second key) and a later restore or a stalled
-/// executor makes the intent happen twice. See docs/BENCHMARKS.md, "Findings".
+/// Workflows without step keys (the ACRFence setting: the model's calls only). This found
+/// that a keyless Begin matching a FAILED_BEFORE_INPUT effect was refused DUPLICATE_INTENT
+/// instead of re-granted with the same downstream key (fixed in the ledger).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the server to re-grant FAILED_BEFORE_INPUT effects to keyless Begins"]
 async fn without_step_keys_fence_shows_no_failure() {
     let mut cfg = config(0.0);
     cfg.arms = vec![ArmKind::Fence];

@@ -534,7 +534,10 @@ impl<'a> FenceArm<'a> {
             let mut acks = self.acks();
             acks.granted
                 .insert(ex.effect_id.clone(), ex.downstream_key.clone());
-            if let Some(t) = &call.token {
+            // A new effect spends the credentials it presents (a re-grant spends nothing).
+            if ex.attempt == 1
+                && let Some(t) = &call.token
+            {
                 acks.spent.insert(t.clone());
             }
         }
@@ -686,8 +689,13 @@ impl<'a> FenceArm<'a> {
                     };
                     async move { c.get_credential(req).await }
                 })
-                .await?;
-            if info.credential.is_none_or(|c| c.uses == 0) {
+                .await;
+            let used = match info {
+                Ok(info) => info.credential.is_some_and(|c| c.uses > 0),
+                Err(s) if s.code() == Code::NotFound => false,
+                Err(s) => return Err(s.into()),
+            };
+            if !used {
                 eprintln!("LOST: the use of credential {token} is not recorded");
                 lost += 1;
             }
