@@ -63,17 +63,6 @@ impl Call<'_> {
         &self.fps[self.tool.record.version as usize]
     }
 
-    /// The distinct fingerprints to look up, current version first.
-    fn distinct_fps(&self) -> Vec<Fingerprint> {
-        let mut out: Vec<Fingerprint> = Vec::with_capacity(self.fps.len());
-        for fp in std::iter::once(self.fp()).chain(self.fps.iter().rev()) {
-            if !out.contains(fp) {
-                out.push(*fp);
-            }
-        }
-        out
-    }
-
     /// Is `rec` the same intent as this call, judged under the schema version `rec` was
     /// fingerprinted with?
     fn same_intent(&self, rec: &EffectRecord) -> bool {
@@ -393,7 +382,7 @@ impl<S: Store> Ledger<S> {
         }
         // The n-th identical intent matches the n-th recorded one: the earliest pending entry.
         let mut best: Option<usize> = None;
-        for fp in call.distinct_fps() {
+        for fp in distinct(&call.fps) {
             let prefix = keys::intent_prefix(&call.rk, call.branch, &fp);
             for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
                 let entry: IndexEntry = codec::decode(&k, &v)?;
@@ -468,12 +457,7 @@ impl<S: Store> Ledger<S> {
         branch: u32,
         fps: &[Fingerprint],
     ) -> Result<(u32, Option<u64>)> {
-        let mut distinct: Vec<&Fingerprint> = Vec::with_capacity(fps.len());
-        for fp in fps.iter().rev() {
-            if !distinct.contains(&fp) {
-                distinct.push(fp);
-            }
-        }
+        let distinct = distinct(fps);
         let mut seqs: Vec<u64> = Vec::new();
         for (b, limit) in run.lineage(branch) {
             for fp in &distinct {
@@ -481,7 +465,7 @@ impl<S: Store> Ledger<S> {
                 for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
                     let entry: IndexEntry = codec::decode(&k, &v)?;
                     if entry.position < limit
-                        && fps.get(entry.tool_version as usize) == Some(*fp)
+                        && fps.get(entry.tool_version as usize) == Some(fp)
                         && !seqs.contains(&entry.seq)
                     {
                         seqs.push(entry.seq);
@@ -758,6 +742,18 @@ impl<S: Store> Ledger<S> {
         h.update(token);
         *h.finalize().as_bytes()
     }
+}
+
+/// The distinct fingerprints of `fps` (indexed by tool version), newest version first: what a
+/// call is looked up by, since receipts may predate the current version.
+fn distinct(fps: &[Fingerprint]) -> Vec<Fingerprint> {
+    let mut out: Vec<Fingerprint> = Vec::with_capacity(fps.len());
+    for fp in fps.iter().rev() {
+        if !out.contains(fp) {
+            out.push(*fp);
+        }
+    }
+    out
 }
 
 /// A fresh run record: epoch 1, branch "main".
