@@ -18,9 +18,9 @@ use tower::{Service, ServiceExt};
 use crate::error::Error;
 use crate::retry::RetryPolicy;
 use crate::types::{
-    BeginOutcome, BranchInfo, CheckpointInfo, Compensation, Completion, CredentialInfo,
-    CredentialUse, Finding, NewCredential, Outcome, OutcomeKey, Receipt, RegisteredTool, Restored,
-    RunInfo, Stored, ToolDef, receipt_req, required,
+    BeginOutcome, CheckpointInfo, Compensation, Completion, CredentialInfo, CredentialUse, Finding,
+    Forked, NewCredential, Outcome, OutcomeKey, Receipt, RegisteredTool, Restored, RunInfo, Stored,
+    ToolDef, receipt_req, required,
 };
 
 /// A boxed error, as returned by a custom transport.
@@ -733,14 +733,15 @@ impl FenceClient {
     }
 
     /// Creates a branch starting at a checkpoint (`new_branch: None` lets the server name it).
-    /// Nothing recorded on the parent is undone.
+    /// Nothing recorded on the parent is undone: what it did after the checkpoint is carried
+    /// onto the new branch, where an equivalent call replays it.
     ///
     /// ```no_run
     /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
-    /// let branch = client
+    /// let forked = client
     ///     .fork("order-1234", "langgraph-cp-0007", 2, Some("pay-carol"), "user changed payee")
     ///     .await?;
-    /// println!("continue on {}", branch.name);
+    /// println!("continue on {}; {} effects stay done", forked.branch.name, forked.carried.len());
     /// # Ok(()) }
     /// ```
     pub async fn fork(
@@ -750,7 +751,7 @@ impl FenceClient {
         epoch: u64,
         new_branch: Option<&str>,
         reason: &str,
-    ) -> Result<BranchInfo, Error> {
+    ) -> Result<Forked, Error> {
         let request = pb::ForkRequest {
             run_id: run_id.to_owned(),
             checkpoint_id: checkpoint_id.to_owned(),
@@ -761,7 +762,7 @@ impl FenceClient {
         let response = self
             .unary(request, |mut s, r| async move { s.fork(r).await })
             .await?;
-        Ok(required(response.branch, "branch")?.into())
+        response.try_into()
     }
 
     /// Asks to perform one call: the raw decision. Most callers want

@@ -62,7 +62,7 @@ pub use saga::{
 pub use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 pub use types::{
     BeginOutcome, BranchInfo, CheckpointInfo, Compensation, Completion, CredentialInfo,
-    CredentialUse, Decision, EffectState, Finding, Grant, IntentSchema, NewCredential,
+    CredentialUse, Decision, EffectState, Finding, Forked, Grant, IntentSchema, NewCredential,
     OperationClass, Outcome, OutcomeKey, ReasonCode, Receipt, RecoveryAction, Refusal,
     RegisteredTool, RestoreEvent, Restored, RunInfo, Stored, StringNormalization, ToolDef,
 };

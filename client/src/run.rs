@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::client::{EffectCall, EffectFilter, FenceClient};
 use crate::effect::{EffectOutcome, ExecContext, OutcomeCheck, ToolError};
 use crate::error::Error;
-use crate::types::{BranchInfo, CheckpointInfo, Receipt, Restored, RunInfo};
+use crate::types::{CheckpointInfo, Forked, Receipt, Restored, RunInfo};
 
 /// The root branch of every run.
 pub const MAIN_BRANCH: &str = "main";
@@ -310,8 +310,8 @@ impl RunHandle {
     ///
     /// ```no_run
     /// # async fn demo(run: fence_client::RunHandle) -> Result<(), fence_client::Error> {
-    /// let branch = run.fork("langgraph-cp-0007", None, "user changed the payee").await?;
-    /// assert_eq!(run.branch(), branch.name);
+    /// let forked = run.fork("langgraph-cp-0007", None, "user changed the payee").await?;
+    /// assert_eq!(run.branch(), forked.branch.name);
     /// # Ok(()) }
     /// ```
     pub async fn fork(
@@ -319,8 +319,8 @@ impl RunHandle {
         checkpoint_id: &str,
         new_branch: Option<&str>,
         reason: &str,
-    ) -> Result<BranchInfo, Error> {
-        let branch = self
+    ) -> Result<Forked, Error> {
+        let forked = self
             .client
             .fork(
                 &self.run_id,
@@ -330,8 +330,8 @@ impl RunHandle {
                 reason,
             )
             .await?;
-        self.update(|p| p.branch.clone_from(&branch.name));
-        Ok(branch)
+        self.update(|p| p.branch.clone_from(&forked.branch.name));
+        Ok(forked)
     }
 
     /// Fetches the run and adopts its current epoch: the explicit answer to a `STALE_EPOCH`

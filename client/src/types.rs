@@ -918,6 +918,19 @@ pub struct BranchInfo {
     pub created_epoch: u64,
     /// When it was created.
     pub created_at_ms: u64,
+    /// Effects carried from the parent that the branch has not re-issued yet (see [`Forked`]).
+    pub pending_carried: u64,
+}
+
+/// What a fork made: the new branch, and what it carries from its parent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forked {
+    /// The new branch.
+    pub branch: BranchInfo,
+    /// The parent's effects after the checkpoint, in its log order. They stay done: a call on
+    /// the new branch equivalent to one of them replays it instead of running again; any other
+    /// call is a new effect.
+    pub carried: Vec<Receipt>,
 }
 
 impl From<pb::BranchInfo> for BranchInfo {
@@ -933,6 +946,7 @@ impl From<pb::BranchInfo> for BranchInfo {
             restored_from_checkpoint: non_empty(b.restored_from_checkpoint),
             created_epoch: b.created_epoch,
             created_at_ms: b.created_at_ms,
+            pending_carried: b.pending_carried,
         }
     }
 }
@@ -1017,6 +1031,21 @@ impl TryFrom<pb::RestoreResponse> for Restored {
             branch: r.branch,
             tape: r
                 .tape
+                .into_iter()
+                .map(Receipt::try_from)
+                .collect::<Result<_, _>>()?,
+        })
+    }
+}
+
+impl TryFrom<pb::ForkResponse> for Forked {
+    type Error = Error;
+
+    fn try_from(r: pb::ForkResponse) -> Result<Self, Error> {
+        Ok(Forked {
+            branch: required(r.branch, "branch")?.into(),
+            carried: r
+                .carried
                 .into_iter()
                 .map(Receipt::try_from)
                 .collect::<Result<_, _>>()?,

@@ -536,11 +536,15 @@ async fn a_restored_agent_replays_and_a_zombie_is_fenced_off() {
     assert_eq!(err.reason(), Some(ReasonCode::ForkRequired), "{err:?}");
     let checkpoint = err.refusal().unwrap().checkpoint_id.clone().unwrap();
     assert_eq!(checkpoint, "cp-1");
-    let branch = run
+    let fork = run
         .fork(&checkpoint, Some("pay-20"), "the user changed the amount")
         .await
         .unwrap();
-    assert_eq!(run.branch(), branch.name);
+    assert_eq!(run.branch(), fork.branch.name);
+    // The payment of 10 stays done: it is carried onto the fork.
+    let carried: Vec<_> = fork.carried.iter().map(|r| r.effect_id.clone()).collect();
+    assert_eq!(carried, [paid.receipt.clone().unwrap().effect_id]);
+    assert_eq!(fork.branch.pending_carried, 1);
     let forked = run
         .run_effect(
             &run.call("pay", r#"{"amount":20,"request_id":"u3"}"#),
@@ -561,6 +565,17 @@ async fn a_restored_agent_replays_and_a_zombie_is_fenced_off() {
         .unwrap();
     let amounts: Vec<_> = lineage.iter().map(|r| r.arguments_json.clone()).collect();
     assert_eq!(amounts, [r#"{"amount":20,"request_id":"u3"}"#]);
+    // Regenerated on the fork, the carried payment of 10 replays: the bank still has two.
+    let again = run
+        .run_effect(
+            &run.call("pay", r#"{"amount":10,"request_id":"u4"}"#),
+            must_not_run,
+        )
+        .await
+        .unwrap();
+    assert_eq!(again.source, OutcomeSource::Replayed);
+    assert_eq!(again.result, paid.result);
+    assert_eq!(bank.count("pay"), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -221,6 +221,7 @@ pub fn branch_info(run: &crate::ledger::records::RunRecord, b: &BranchRecord) ->
         reason: b.reason.clone(),
         length: b.length,
         pending_replays: b.tape_seqs.len() as u64,
+        pending_carried: b.carried_seqs.len() as u64,
         restored_from_checkpoint: b.restored_from_checkpoint.clone(),
         created_epoch: b.created_epoch,
         created_at_ms: b.created_at_ms,

@@ -139,11 +139,17 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
     ) -> Result<Response<pb::ForkResponse>, Status> {
         self.run(req, |l, t, r| {
             let cmd = convert::fork_cmd(r);
-            let branch = l.fork(t, &cmd)?;
+            let forked = l.fork(t, &cmd)?;
             let view = l.get_run(t, &cmd.run_id)?;
-            tracing::info!(tenant = t, run = %cmd.run_id, branch = %branch.name, "branch forked");
+            tracing::info!(tenant = t, run = %cmd.run_id, branch = %forked.branch.name,
+                carried = forked.carried.len(), "branch forked");
             Ok(pb::ForkResponse {
-                branch: Some(convert::branch_info(&view.run, &branch)),
+                branch: Some(convert::branch_info(&view.run, &forked.branch)),
+                carried: forked
+                    .carried
+                    .iter()
+                    .map(|r| convert::receipt(r, true))
+                    .collect(),
             })
         })
         .await

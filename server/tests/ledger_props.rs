@@ -213,10 +213,12 @@ fn hop() -> impl Strategy<Value = HOp> {
     ]
 }
 
-/// Effects visible on `branch`'s lineage, from the ledger's own run record and audit listing.
-fn lineage_effects(h: &Harness, branch: u32) -> Vec<EffectRecord> {
+/// Effects visible on `branch`'s lineage (its own, adopted ones included), and the effects still
+/// carried onto it from its parent: from the ledger's own run record and audit listing.
+fn lineage_effects(h: &Harness, branch: u32) -> (Vec<EffectRecord>, Vec<EffectRecord>) {
     let run = h.ledger.get_run(T, "run").unwrap().run;
     let lineage = run.lineage(branch);
+    let carried = &run.branches[branch as usize].carried_seqs;
     let (all, _) = h
         .ledger
         .list_effects(
@@ -229,12 +231,8 @@ fn lineage_effects(h: &Harness, branch: u32) -> Vec<EffectRecord> {
         )
         .unwrap();
     all.into_iter()
-        .filter(|e| {
-            lineage
-                .iter()
-                .any(|&(b, limit)| b == e.branch && e.position < limit)
-        })
-        .collect()
+        .filter(|e| e.visible_on(&lineage) || carried.contains(&e.seq))
+        .partition(|e| e.visible_on(&lineage))
 }
 
 proptest! {
@@ -266,13 +264,18 @@ proptest! {
                         credentials: token.map(|t| vec![CredentialUse { token: format!("tok-{t}").into_bytes(), budget: 1 }]).unwrap_or_default(),
                         ..call("run", "pay", &args(intent, drift))
                     };
-                    let visible_before = lineage_effects(&h, b as u32);
+                    let (visible_before, carried_before) = lineage_effects(&h, b as u32);
                     if let Decision::Execute { receipt, .. } = h.begin(&cmd)
                         && receipt.attempt == 1
                     {
                         prop_assert!(
                             !visible_before.iter().any(|e| e.intent_fp == receipt.intent_fp),
                             "intent {intent} executed twice on branch {}", cmd.branch
+                        );
+                        // What the parent did after the fork point is done in the world too.
+                        prop_assert!(
+                            !carried_before.iter().any(|e| e.intent_fp == receipt.intent_fp),
+                            "intent {intent} carried onto branch {} executed again", cmd.branch
                         );
                         grants.push((receipt.id(), 1));
                     }
@@ -303,7 +306,7 @@ proptest! {
         // On every lineage, each intent was executed at most once.
         let run = h.ledger.get_run(T, "run").unwrap().run;
         for b in 0..run.branches.len() as u32 {
-            let effects = lineage_effects(&h, b);
+            let (effects, _) = lineage_effects(&h, b);
             let mut fps = HashSet::new();
             for e in &effects {
                 prop_assert!(fps.insert(e.intent_fp.clone()), "duplicate intent on lineage of branch {b}");

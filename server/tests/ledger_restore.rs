@@ -126,7 +126,7 @@ fn a_redirected_call_after_restore_requires_a_fork_then_is_a_new_effect() {
     );
     assert_eq!(before, h.snapshot(), "refusals change nothing");
 
-    let branch = h
+    let forked = h
         .ledger
         .fork(
             T,
@@ -139,7 +139,13 @@ fn a_redirected_call_after_restore_requires_a_fork_then_is_a_new_effect() {
             },
         )
         .unwrap();
+    let branch = forked.branch;
     assert_eq!(branch.name, "fork-1");
+    // The transfer to bob is done in the world: it is carried onto the fork.
+    assert_eq!(
+        forked.carried.iter().map(|r| r.id()).collect::<Vec<_>>(),
+        vec![first.id()]
+    );
     let carol = executed(h.begin(&on(
         2,
         &branch.name,
@@ -147,6 +153,16 @@ fn a_redirected_call_after_restore_requires_a_fork_then_is_a_new_effect() {
     )));
     assert_ne!(carol.downstream_key, first.downstream_key);
     assert_eq!(carol.branch_name, "fork-1");
+    // Re-issued on the fork (new reference), the transfer to bob replays: never a second one.
+    let bob = replayed(h.begin(&on(
+        2,
+        &branch.name,
+        call("run", TRANSFER, &transfer("bob", 100, "u6")),
+    )));
+    assert_eq!(
+        (bob.id(), bob.result.as_slice()),
+        (first.id(), &b"tx-1"[..])
+    );
     // The parent's effect stays done and listed; nothing is hidden.
     let (all, _) = h
         .ledger
@@ -160,6 +176,16 @@ fn a_redirected_call_after_restore_requires_a_fork_then_is_a_new_effect() {
         .unwrap();
     assert_eq!(all.len(), 2);
     assert_eq!(all[0].state(), State::Completed);
+    // Adopted, the replayed transfer is on the fork's lineage now: a keyless repeat of it is
+    // a suspected duplicate there, as on any branch that did it.
+    refused(
+        h.begin(&on(
+            2,
+            &branch.name,
+            call("run", TRANSFER, &transfer("bob", 100, "u7")),
+        )),
+        Reason::DuplicateIntent,
+    );
     // Forking again with the same name and origin is idempotent.
     let again = h
         .ledger
@@ -174,7 +200,8 @@ fn a_redirected_call_after_restore_requires_a_fork_then_is_a_new_effect() {
             },
         )
         .unwrap();
-    assert_eq!(again.name, "fork-1");
+    assert_eq!(again.branch.name, "fork-1");
+    assert!(again.carried.is_empty(), "the carried transfer was adopted");
 }
 
 /// Matching by step key on the tape, and divergence at a keyed step.
@@ -408,16 +435,20 @@ fn a_checkpoint_taken_during_replay_sits_at_the_logical_position() {
     );
 }
 
-/// A fork's lineage is the parent's log up to the fork point, plus its own.
+/// A fork's lineage is the parent's log up to the fork point, plus its own; what the parent did
+/// after the fork point is carried: the same step replays, a redefined step is new.
 #[test]
-fn a_fork_sees_its_parent_before_the_fork_point_only() {
+fn a_fork_sees_its_parent_before_the_fork_point_and_carries_the_rest() {
     let h = setup();
     let early = executed(h.begin(&keyed("run", "s1", TRANSFER, &transfer("bob", 1, "a"))));
     complete(&h, &early, "tx-early");
     checkpoint(&h, "run", "", 0, "cp1");
     let late = executed(h.begin(&keyed("run", "s2", TRANSFER, &transfer("bob", 2, "b"))));
     complete(&h, &late, "tx-late");
-    h.ledger
+    let later = executed(h.begin(&keyed("run", "s3", TRANSFER, &transfer("bob", 3, "b"))));
+    complete(&h, &later, "tx-later");
+    let forked = h
+        .ledger
         .fork(
             T,
             &ForkCmd {
@@ -429,6 +460,10 @@ fn a_fork_sees_its_parent_before_the_fork_point_only() {
             },
         )
         .unwrap();
+    assert_eq!(
+        forked.carried.iter().map(|r| r.id()).collect::<Vec<_>>(),
+        vec![late.id(), later.id()]
+    );
     // Before the fork point: visible, replays.
     assert_eq!(
         replayed(h.begin(&on(
@@ -447,13 +482,32 @@ fn a_fork_sees_its_parent_before_the_fork_point_only() {
         )),
         Reason::DuplicateIntent,
     );
-    // After the fork point: not on this lineage, so a new effect on the new branch.
-    let fresh = executed(h.begin(&on(
+    // After the fork point, the same step with the same intent is the carried effect: replayed.
+    let carried = replayed(h.begin(&on(
         1,
         "alt",
         keyed("run", "s2", TRANSFER, &transfer("bob", 2, "c")),
     )));
-    assert_ne!(fresh.id(), late.id());
+    assert_eq!(
+        (carried.id(), carried.result.as_slice()),
+        (late.id(), &b"tx-late"[..])
+    );
+    // A carried step redefined on the fork is a new effect (the fork is the divergence)...
+    let fresh = executed(h.begin(&on(
+        1,
+        "alt",
+        keyed("run", "s3", TRANSFER, &transfer("carol", 3, "c")),
+    )));
+    assert_ne!(fresh.id(), later.id());
+    // ...and from then on the step means what the fork made it mean.
+    refused(
+        h.begin(&on(
+            1,
+            "alt",
+            keyed("run", "s3", TRANSFER, &transfer("bob", 3, "d")),
+        )),
+        Reason::ArgumentMismatch,
+    );
     // The lineage view: the parent's effects before the fork point, then the branch's own.
     let (lineage, _) = h
         .ledger
@@ -469,7 +523,7 @@ fn a_fork_sees_its_parent_before_the_fork_point_only() {
         .unwrap();
     assert_eq!(
         lineage.iter().map(|e| e.id()).collect::<Vec<_>>(),
-        vec![early.id(), fresh.id()]
+        vec![early.id(), late.id(), fresh.id()]
     );
     let (own, _) = h
         .ledger
@@ -482,7 +536,11 @@ fn a_fork_sees_its_parent_before_the_fork_point_only() {
             },
         )
         .unwrap();
-    assert_eq!(own.len(), 1);
+    assert_eq!(
+        own.iter().map(|e| e.id()).collect::<Vec<_>>(),
+        vec![late.id(), fresh.id()],
+        "the branch's own log: the adopted effect and its new one"
+    );
     // Unknown branch / checkpoint.
     refused(
         h.begin(&on(1, "nope", call("run", TRANSFER, "{}"))),
@@ -545,7 +603,8 @@ fn a_spent_one_time_token_stays_spent_across_restore_and_fork() {
     assert_eq!(r.receipt.unwrap().id(), del.id());
     assert_eq!(before, h.snapshot());
 
-    // On a fork from before the spend, even the identical call is a new effect: refused.
+    // On a fork from before the spend, the spending effect is carried: its exact replay gets
+    // the recorded result (no new use), any other use is refused.
     h.ledger
         .fork(
             T,
@@ -564,11 +623,24 @@ fn a_spent_one_time_token_stays_spent_across_restore_and_fork() {
             "f",
             BeginCmd {
                 credentials: token("otp-123"),
-                ..call("run", "cloud.delete", r#"{"vm":"prod-1","request_id":"d"}"#)
+                ..call("run", "cloud.delete", r#"{"vm":"prod-3","request_id":"d"}"#)
             },
         )),
         Reason::CredentialConsumed,
     );
+    let on_fork = replayed(h.begin(&on(
+        2,
+        "f",
+        BeginCmd {
+            credentials: token("otp-123"),
+            ..call("run", "cloud.delete", r#"{"vm":"prod-1","request_id":"e"}"#)
+        },
+    )));
+    assert_eq!(
+        (on_fork.id(), on_fork.result.as_slice()),
+        (del.id(), &b"deleted"[..])
+    );
+    assert_eq!(h.ledger.get_credential(T, b"otp-123").unwrap().uses, 1);
     // In another run too: a credential belongs to the tenant, not to a run.
     refused(
         h.begin(&BeginCmd {

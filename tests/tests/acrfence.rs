@@ -190,7 +190,7 @@ async fn scenario_2_redirected_transfer_requires_a_fork_then_is_new() {
         assert_eq!(r.receipt.unwrap().effect_id, ex.effect_id);
     }
     assert_eq!(effect_count(&mut c).await, 1);
-    let fork = c
+    let forked = c
         .fork(pb::ForkRequest {
             run_id: "agent".into(),
             checkpoint_id: "verified".into(),
@@ -200,10 +200,17 @@ async fn scenario_2_redirected_transfer_requires_a_fork_then_is_new() {
         })
         .await
         .unwrap()
-        .into_inner()
-        .branch
-        .unwrap();
+        .into_inner();
+    let fork = forked.branch.unwrap();
     assert_eq!((fork.parent.as_str(), fork.fork_position), ("main", 0));
+    // The transfer to bob stays done: carried onto the fork, not forgotten.
+    assert_eq!(fork.pending_carried, 1);
+    let carried: Vec<&str> = forked
+        .carried
+        .iter()
+        .map(|r| r.effect_id.as_str())
+        .collect();
+    assert_eq!(carried, [ex.effect_id.as_str()]);
     let O::Execute(ex2) = call(
         &mut c,
         2,
@@ -217,6 +224,21 @@ async fn scenario_2_redirected_transfer_requires_a_fork_then_is_new() {
         panic!("expected a new effect on the fork")
     };
     assert_ne!(ex2.downstream_key, ex.downstream_key);
+    assert_eq!(effect_count(&mut c).await, 2);
+    // Re-issued on the fork, the transfer to bob replays: still one transfer to bob.
+    let O::Replay(rp) = call(
+        &mut c,
+        2,
+        "pay-carol",
+        "bank.transfer",
+        &transfer("bob", 250, 6),
+        None,
+    )
+    .await
+    else {
+        panic!("expected the carried transfer to replay")
+    };
+    assert_eq!(rp.receipt.unwrap().effect_id, ex.effect_id);
     assert_eq!(effect_count(&mut c).await, 2);
     let run = c
         .get_run(pb::GetRunRequest {
@@ -275,7 +297,8 @@ async fn scenario_3_a_spent_approval_token_is_refused_after_restore_and_on_a_for
     );
     assert_eq!(r.reason, pb::ReasonCode::CredentialConsumed as i32);
     assert_eq!(r.recovery, pb::RecoveryAction::Reauthenticate as i32);
-    // On a fork, even for the identical action.
+    // On a fork too: the effect that spent it is carried there, so its exact replay gets the
+    // recorded result (no new use) and any other use is refused.
     c.fork(pb::ForkRequest {
         run_id: "agent".into(),
         checkpoint_id: "before-approval".into(),
@@ -291,12 +314,25 @@ async fn scenario_3_a_spent_approval_token_is_refused_after_restore_and_on_a_for
             2,
             "f",
             "approval.use",
-            r#"{"action":"wire","request_id":"c"}"#,
+            r#"{"action":"wire-3","request_id":"c"}"#,
             Some("otp-991"),
         )
         .await,
     );
     assert_eq!(r.reason, pb::ReasonCode::CredentialConsumed as i32);
+    let O::Replay(rp) = call(
+        &mut c,
+        2,
+        "f",
+        "approval.use",
+        r#"{"action":"wire","request_id":"d"}"#,
+        Some("otp-991"),
+    )
+    .await
+    else {
+        panic!("expected the exact replay of the spending effect")
+    };
+    assert_eq!(rp.receipt.unwrap().effect_id, ex.effect_id);
     let cred = c
         .get_credential(pb::GetCredentialRequest {
             token: b"otp-991".to_vec(),

@@ -310,8 +310,12 @@ def test_restore_fork_and_credentials_through_the_decorator(client: fence.Client
     # ...and the equivalent regenerated call is replayed, even though it presents the spent
     # approval again.
     assert transfer(**call_args(to="bob"), fence_run=run, fence_credentials=[approval])["tx"] == "T1"
-    client.fork(run, err.value.checkpoint_id, reason="pay Carol instead")
+    branch = client.fork(run, err.value.checkpoint_id, reason="pay Carol instead")
     assert run.branch != "main"
+    # The payment to Bob is carried onto the fork: done, and replayed if the model re-issues it.
+    assert branch.pending_carried == 1 and len(branch.carried) == 1
+    assert branch.carried[0].state == EffectState.COMPLETED
+    assert transfer(**call_args(to="bob"), fence_run=run, fence_credentials=[approval])["tx"] == "T1"
     # On the fork the spent approval is still spent...
     with pytest.raises(FenceRefused) as spent:
         transfer(**call_args(to="carol"), fence_run=run, fence_credentials=[approval])

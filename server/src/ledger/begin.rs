@@ -7,7 +7,11 @@
 //!    step key with the same intent is the same effect, with another intent ARGUMENT_MISMATCH;
 //!    without a step key an identical recorded intent is a suspected duplicate (DEDUPLICATE
 //!    tools replay it);
-//! 3. while a tape is pending, a call that matched nothing is divergent: FORK_REQUIRED.
+//! 3. on a fork, against the effects carried from the parent (done after the fork point; see
+//!    [`Ledger::fork`]): by step key where the lineage does not know it, else by intent, the
+//!    earliest first. An equivalent call replays the carried effect and adopts it into this
+//!    branch's log; a different one is simply new (the fork was the explicit divergence);
+//! 4. while a tape is pending, a call that matched nothing is divergent: FORK_REQUIRED.
 //!
 //! A matched effect is answered from its state (replay, in progress, re-grant, reconcile).
 //! Anything that would record a new effect, or refuse as duplicate or divergent, first passes
@@ -18,7 +22,7 @@
 use serde_json::Value;
 
 use super::records::{
-    BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, RunRecord,
+    Adoption, BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, RunRecord,
 };
 use super::tools::Tool;
 use super::{
@@ -79,21 +83,37 @@ impl Call<'_> {
 
     /// Is the effect visible on this call's lineage?
     fn visible(&self, rec: &EffectRecord) -> bool {
-        self.run
-            .lineage(self.branch)
-            .iter()
-            .any(|&(b, limit)| b == rec.branch && rec.position < limit)
+        rec.visible_on(&self.run.lineage(self.branch))
     }
 
-    fn in_tape(&self, seq: u64) -> bool {
-        self.branch().tape_seqs.contains(&seq)
+    /// Where the effect `seq`, known to be this call's, was found.
+    fn via(&self, seq: u64) -> Via {
+        let branch = self.branch();
+        if branch.tape_seqs.contains(&seq) {
+            Via::Tape
+        } else if branch.carried_seqs.contains(&seq) {
+            Via::Carried
+        } else {
+            Via::Lineage
+        }
     }
+}
+
+/// Where a matched effect was found, which says what answering it changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// On the call's lineage: nothing.
+    Lineage,
+    /// On the branch's pending replay tape: the entry is consumed.
+    Tape,
+    /// Carried onto this fork from its parent: the effect is adopted into the branch's log.
+    Carried,
 }
 
 /// How a call relates to what is recorded.
 enum Match {
     /// The same effect.
-    Existing { rec: EffectRecord, tape: bool },
+    Existing { rec: EffectRecord, via: Via },
     /// Its step key is recorded with another intent.
     Mismatch(EffectRecord),
     /// Its intent is recorded and it has no step key.
@@ -193,7 +213,7 @@ impl<S: Store> Ledger<S> {
         }
 
         match self.match_call(&call)? {
-            Match::Existing { rec, tape } => self.answer_existing(call, rec, tape),
+            Match::Existing { rec, via } => self.answer_existing(call, rec, via),
             Match::Mismatch(rec) => {
                 let view = rec.view(now);
                 if view.tombstone {
@@ -221,8 +241,8 @@ impl<S: Store> Ledger<S> {
                 let creds = match self.credential_gate(&call)? {
                     Gate::Pass(creds) => creds,
                     Gate::ExactReplay(rec) => {
-                        let tape = rec.branch == call.branch && call.in_tape(rec.seq);
-                        return self.answer_existing(call, *rec, tape);
+                        let via = call.via(rec.seq);
+                        return self.answer_existing(call, *rec, via);
                     }
                     Gate::Refused(refusal) => return Ok(refusal.into()),
                 };
@@ -366,41 +386,100 @@ impl<S: Store> Ledger<S> {
     /// Matches against the pending tape; `None` when the call is not on it.
     fn match_tape(&self, call: &Call<'_>) -> Result<Option<Match>> {
         let tape = &call.branch().tape_seqs;
+        // Tape entries are in this branch's log, so its own indexes find them (adopted ones too).
+        let here = [call.branch];
         if !call.cmd.step_key.is_empty() {
-            let key = keys::step(&call.rk, call.branch, &call.cmd.step_key);
-            if let Some(entry) = self.get::<IndexEntry>(&key)?
-                && tape.contains(&entry.seq)
-            {
-                let rec = self.load_seq(&call.rk, entry.seq)?;
-                return Ok(Some(if call.same_intent(&rec) {
-                    Match::Existing { rec, tape: true }
-                } else {
-                    Match::Divergent(rec)
-                }));
-            }
+            return Ok(match self.step_entry_among(call, &here, tape)? {
+                Some(seq) => {
+                    let rec = self.load_seq(&call.rk, seq)?;
+                    Some(if call.same_intent(&rec) {
+                        Match::Existing {
+                            rec,
+                            via: Via::Tape,
+                        }
+                    } else {
+                        Match::Divergent(rec)
+                    })
+                }
+                None => None,
+            });
+        }
+        Ok(match self.earliest_intent_among(call, &here, tape)? {
+            Some(seq) => Some(Match::Existing {
+                rec: self.load_seq(&call.rk, seq)?,
+                via: Via::Tape,
+            }),
+            None => None,
+        })
+    }
+
+    /// Matches against the effects carried onto this fork; `None` when the call is none of
+    /// them. A keyed call matches by its step key only (as on the tape), and only with the
+    /// same intent: a fork may redefine a step.
+    fn match_carried(&self, call: &Call<'_>) -> Result<Option<Match>> {
+        let branch = call.branch();
+        if branch.carried_seqs.is_empty() {
             return Ok(None);
         }
-        // The n-th identical intent matches the n-th recorded one: the earliest pending entry.
+        let mut sources = branch.carried_sources.clone();
+        sources.sort_unstable();
+        sources.dedup();
+        let carried = &branch.carried_seqs;
+        let seq = if call.cmd.step_key.is_empty() {
+            self.earliest_intent_among(call, &sources, carried)?
+        } else {
+            self.step_entry_among(call, &sources, carried)?
+        };
+        let Some(seq) = seq else { return Ok(None) };
+        let rec = self.load_seq(&call.rk, seq)?;
+        Ok(call.same_intent(&rec).then_some(Match::Existing {
+            rec,
+            via: Via::Carried,
+        }))
+    }
+
+    /// The effect among `seqs` that one of `branches` indexes under the call's step key.
+    fn step_entry_among(
+        &self,
+        call: &Call<'_>,
+        branches: &[u32],
+        seqs: &[u64],
+    ) -> Result<Option<u64>> {
+        for &b in branches {
+            if let Some(entry) =
+                self.get::<IndexEntry>(&keys::step(&call.rk, b, &call.cmd.step_key))?
+                && seqs.contains(&entry.seq)
+            {
+                return Ok(Some(entry.seq));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The earliest effect among `seqs` (in their order) that one of `branches` indexes under
+    /// the call's intent: the n-th identical intent matches the n-th recorded one.
+    fn earliest_intent_among(
+        &self,
+        call: &Call<'_>,
+        branches: &[u32],
+        seqs: &[u64],
+    ) -> Result<Option<u64>> {
         let mut best: Option<usize> = None;
-        for fp in distinct(&call.fps) {
-            let prefix = keys::intent_prefix(&call.rk, call.branch, &fp);
-            for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
-                let entry: IndexEntry = codec::decode(&k, &v)?;
-                if call.fps.get(entry.tool_version as usize) != Some(&fp) {
-                    continue;
-                }
-                if let Some(i) = tape.iter().position(|s| *s == entry.seq) {
-                    best = Some(best.map_or(i, |b| b.min(i)));
+        for &b in branches {
+            for fp in distinct(&call.fps) {
+                let prefix = keys::intent_prefix(&call.rk, b, &fp);
+                for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
+                    let entry: IndexEntry = codec::decode(&k, &v)?;
+                    if call.fps.get(entry.tool_version as usize) != Some(&fp) {
+                        continue;
+                    }
+                    if let Some(i) = seqs.iter().position(|s| *s == entry.seq) {
+                        best = Some(best.map_or(i, |b| b.min(i)));
+                    }
                 }
             }
         }
-        match best {
-            Some(i) => {
-                let rec = self.load_seq(&call.rk, tape[i])?;
-                Ok(Some(Match::Existing { rec, tape: true }))
-            }
-            None => Ok(None),
-        }
+        Ok(best.map(|i| seqs[i]))
     }
 
     fn match_lineage(&self, call: &Call<'_>) -> Result<Match> {
@@ -412,16 +491,26 @@ impl<S: Store> Ledger<S> {
                 {
                     let rec = self.load_seq(&call.rk, entry.seq)?;
                     return Ok(if call.same_intent(&rec) {
-                        Match::Existing { rec, tape: false }
+                        Match::Existing {
+                            rec,
+                            via: Via::Lineage,
+                        }
                     } else {
                         Match::Mismatch(rec)
                     });
                 }
             }
+            if let Some(m) = self.match_carried(call)? {
+                return Ok(m);
+            }
             let (count, _) = self.lineage_intent(call)?;
             return Ok(Match::New {
                 occurrence: count + 1,
             });
+        }
+        // Keyless: a carried effect of this intent is the one a restored agent re-issues.
+        if let Some(m) = self.match_carried(call)? {
+            return Ok(m);
         }
         let (count, latest) = self.lineage_intent(call)?;
         match latest {
@@ -431,7 +520,10 @@ impl<S: Store> Ledger<S> {
                 // again (same effect, same downstream key), as DESIGN allows.
                 let did_not_happen = rec.view(call.now).state() == State::FailedBeforeInput;
                 Ok(if call.class() == OpClass::Deduplicate || did_not_happen {
-                    Match::Existing { rec, tape: false }
+                    Match::Existing {
+                        rec,
+                        via: Via::Lineage,
+                    }
                 } else {
                     Match::Duplicate(rec)
                 })
@@ -544,7 +636,7 @@ impl<S: Store> Ledger<S> {
         &self,
         mut call: Call<'_>,
         mut rec: EffectRecord,
-        tape: bool,
+        via: Via,
     ) -> Result<Decision> {
         let now = call.now;
         let view = rec.view(now);
@@ -552,11 +644,30 @@ impl<S: Store> Ledger<S> {
             return Ok(expired(view).into());
         }
         let mut batch = Batch::new();
+        let mut rec_changed = false;
+        match via {
+            Via::Lineage => {}
+            Via::Tape => {
+                let branch = &mut call.run.branches[call.branch as usize];
+                if let Some(i) = branch.tape_seqs.iter().position(|s| *s == rec.seq) {
+                    branch.tape_seqs.remove(i);
+                    branch.tape_positions.remove(i);
+                }
+                if branch.tape_seqs.is_empty() {
+                    branch.restored_from_checkpoint.clear();
+                }
+                batch.put(keys::run(&call.rk), codec::encode(&call.run));
+            }
+            Via::Carried => {
+                self.adopt(&mut call, &mut rec, &mut batch)?;
+                rec_changed = true;
+            }
+        }
         let decision = match view.state() {
             State::Completed | State::Compensated => {
                 rec.replays += 1;
                 rec.last_replay_epoch = call.run.epoch;
-                batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
+                rec_changed = true;
                 Decision::Replay(Box::new(rec.view(now)))
             }
             // The same requester re-sending after a lost response gets its own grant back.
@@ -573,12 +684,16 @@ impl<S: Store> Ledger<S> {
                 receipt: Box::new(view),
                 retry_after_ms: self.config.in_progress_retry_ms,
             },
-            State::FailedBeforeInput => self.regrant(&call, &mut rec, &mut batch),
+            State::FailedBeforeInput => {
+                rec_changed = true;
+                self.regrant(&call, &mut rec)
+            }
             State::EffectUnknown | State::RejectedDuplicate | State::NotFound
                 if matches!(rec.class(), OpClass::Deduplicate | OpClass::SafeRetry) =>
             {
                 // Idempotent downstream under the same key: granting again is safe.
-                self.regrant(&call, &mut rec, &mut batch)
+                rec_changed = true;
+                self.regrant(&call, &mut rec)
             }
             State::EffectUnknown | State::RejectedDuplicate | State::NotFound => {
                 return Ok(Refusal::new(
@@ -590,23 +705,60 @@ impl<S: Store> Ledger<S> {
                 .into());
             }
         };
-        if tape {
-            let branch = &mut call.run.branches[call.branch as usize];
-            if let Some(i) = branch.tape_seqs.iter().position(|s| *s == rec.seq) {
-                branch.tape_seqs.remove(i);
-                branch.tape_positions.remove(i);
-            }
-            if branch.tape_seqs.is_empty() {
-                branch.restored_from_checkpoint.clear();
-            }
-            batch.put(keys::run(&call.rk), codec::encode(&call.run));
+        if rec_changed {
+            batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
         }
-        self.store.write(batch)?;
+        if !batch.is_empty() {
+            self.store.write(batch)?;
+        }
         Ok(decision)
     }
 
+    /// Adopts a carried effect into the call's branch: it takes the next position in the
+    /// branch's log and is indexed there by step key and intent, so the branch's later
+    /// lookups, checkpoints and restores treat it as its own.
+    fn adopt(&self, call: &mut Call<'_>, rec: &mut EffectRecord, batch: &mut Batch) -> Result<()> {
+        let b = call.branch;
+        let position = call.run.branches[b as usize].length;
+        let entry = codec::encode(&IndexEntry {
+            seq: rec.seq,
+            position,
+            tool_version: rec.tool_version,
+        });
+        batch.put(keys::branch_log(&call.rk, b, position), entry.clone());
+        if !rec.step_key.is_empty() {
+            let step = keys::step(&call.rk, b, &rec.step_key);
+            // A step this branch already recorded for itself keeps its own meaning.
+            if self.store.get(&step)?.is_none() {
+                batch.put(step, entry.clone());
+            }
+        }
+        let fp: Fingerprint =
+            rec.intent_fp[..]
+                .try_into()
+                .map_err(|_| crate::store::StoreError::Corrupt {
+                    key: codec::hex(&keys::effect(&call.rk, rec.seq)),
+                    why: "an intent fingerprint is not 32 bytes".into(),
+                })?;
+        // One past every occurrence of this intent on the lineage: a free index slot.
+        let (count, _) = self.lineage_intent(call)?;
+        batch.put(keys::intent(&call.rk, b, &fp, count + 1), entry);
+        rec.adopted.push(Adoption {
+            branch: b,
+            position,
+        });
+        let branch = &mut call.run.branches[b as usize];
+        branch.length += 1;
+        if let Some(i) = branch.carried_seqs.iter().position(|s| *s == rec.seq) {
+            branch.carried_seqs.remove(i);
+            branch.carried_sources.remove(i);
+        }
+        batch.put(keys::run(&call.rk), codec::encode(&call.run));
+        Ok(())
+    }
+
     /// Grants an effect again (same id, same downstream key, next attempt).
-    fn regrant(&self, call: &Call<'_>, rec: &mut EffectRecord, batch: &mut Batch) -> Decision {
+    fn regrant(&self, call: &Call<'_>, rec: &mut EffectRecord) -> Decision {
         let lease = self.lease_for(call);
         rec.attempt += 1;
         rec.state = State::Accepted.code();
@@ -616,7 +768,6 @@ impl<S: Store> Ledger<S> {
         rec.lease_ms = lease;
         rec.lease_expires_at_ms = call.now + lease;
         rec.updated_at_ms = call.now;
-        batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&*rec));
         Decision::Execute {
             receipt: Box::new(rec.clone()),
             recorded: true,

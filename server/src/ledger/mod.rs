@@ -346,6 +346,17 @@ impl EffectRecord {
         OpClass::from_code(self.class).unwrap_or(OpClass::NonRetryable)
     }
 
+    /// Is the effect on a lineage (as returned by [`RunRecord::lineage`]): recorded on one of
+    /// its branches before that branch's limit, or adopted by one of them after a fork?
+    pub fn visible_on(&self, lineage: &[(u32, u64)]) -> bool {
+        let on = |branch: u32, position: u64| {
+            lineage
+                .iter()
+                .any(|&(b, limit)| b == branch && position < limit)
+        };
+        on(self.branch, self.position) || self.adopted.iter().any(|a| on(a.branch, a.position))
+    }
+
     /// True while a grant's lease is live at `now`.
     pub fn lease_live(&self, now: u64) -> bool {
         matches!(self.state(), State::Accepted | State::Running) && now < self.lease_expires_at_ms

@@ -531,10 +531,8 @@ impl<S: Store> Ledger<S> {
             for (k, v) in chunk {
                 let rec: EffectRecord = codec::decode(&k, &v)?;
                 cursor = rec.seq + 1;
-                let keep = visible.as_ref().is_none_or(|v| {
-                    v.iter()
-                        .any(|&(b, limit)| b == rec.branch && rec.position < limit)
-                }) && (q.saga_id.is_empty() || rec.saga_id == q.saga_id);
+                let keep = visible.as_ref().is_none_or(|v| rec.visible_on(v))
+                    && (q.saga_id.is_empty() || rec.saga_id == q.saga_id);
                 if keep {
                     if out.len() == page_size {
                         return Ok((out, rec.seq.to_string()));

@@ -63,6 +63,15 @@ pub struct BranchRecord {
     /// Creation time.
     #[prost(uint64, tag = "11")]
     pub created_at_ms: u64,
+    /// Carried effects not yet re-issued on this branch: what the parent recorded after the
+    /// fork point (done in the world, but not on this branch's lineage). An equivalent call
+    /// replays one and adopts it into this branch's log; nothing else is refused for them.
+    #[prost(uint64, repeated, tag = "12")]
+    pub carried_seqs: Vec<u64>,
+    /// For each carried effect, the branch whose step and intent indexes hold it (parallel to
+    /// `carried_seqs`).
+    #[prost(uint32, repeated, tag = "13")]
+    pub carried_sources: Vec<u32>,
 }
 
 /// A checkpoint: a named position in a branch's log.
@@ -325,4 +334,19 @@ pub struct EffectRecord {
     /// The caller's request id of the Begin that holds the current grant.
     #[prost(string, tag = "38")]
     pub grant_request_id: String,
+    /// Branches that adopted this effect after a fork (see `BranchRecord::carried_seqs`), with
+    /// its position in each one's log.
+    #[prost(message, repeated, tag = "39")]
+    pub adopted: Vec<Adoption>,
+}
+
+/// An effect's place in the log of a branch that adopted it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Adoption {
+    /// The adopting branch's index.
+    #[prost(uint32, tag = "1")]
+    pub branch: u32,
+    /// The effect's position in that branch's log.
+    #[prost(uint64, tag = "2")]
+    pub position: u64,
 }

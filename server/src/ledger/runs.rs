@@ -38,6 +38,16 @@ pub struct Restored {
     pub tape: Vec<EffectRecord>,
 }
 
+/// What a fork did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forked {
+    /// The new branch.
+    pub branch: BranchRecord,
+    /// The effects carried onto it (see [`Ledger::fork`]), in the parent's log order, as they
+    /// stood when the fork was made.
+    pub carried: Vec<EffectRecord>,
+}
+
 /// A checkpoint request.
 #[derive(Debug, Clone, Default)]
 pub struct CheckpointCmd {
@@ -214,21 +224,16 @@ impl<S: Store> Ledger<S> {
             check_epoch(&run, expected_epoch)?;
         }
         let cp = self.require_checkpoint(&rk, checkpoint_id)?;
-        let prefix = keys::branch_log_prefix(&rk, cp.branch);
-        let from = keys::branch_log(&rk, cp.branch, cp.position);
-        let mut tape = Vec::new();
-        for (k, v) in self.store.scan(&prefix, &from, usize::MAX)? {
-            let entry: IndexEntry = codec::decode(&k, &v)?;
-            let rec = self.load_seq(&rk, entry.seq)?;
-            // Read-only calls are never matched against the tape, so they never sit on it.
-            if rec.class() != OpClass::SafeRetry {
-                tape.push(rec);
-            }
-        }
+        // Positions come from the log entry: an adopted effect's record holds its position on
+        // the branch that recorded it, not on this one.
+        let (tape, positions): (Vec<EffectRecord>, Vec<u64>) = self
+            .branch_log_from(&rk, cp.branch, cp.position)?
+            .into_iter()
+            .unzip();
         run.epoch += 1;
         let branch = &mut run.branches[cp.branch as usize];
         branch.tape_seqs = tape.iter().map(|r| r.seq).collect();
-        branch.tape_positions = tape.iter().map(|r| r.position).collect();
+        branch.tape_positions = positions;
         branch.restored_from_checkpoint = if tape.is_empty() {
             String::new()
         } else {
@@ -254,8 +259,35 @@ impl<S: Store> Ledger<S> {
         })
     }
 
+    /// The non-SAFE_RETRY effects in `branch`'s log from `position` on, with their positions
+    /// in that log (read-only calls are never matched against a tape, so they never sit on one).
+    fn branch_log_from(
+        &self,
+        rk: &RunKey,
+        branch: u32,
+        position: u64,
+    ) -> Result<Vec<(EffectRecord, u64)>> {
+        let prefix = keys::branch_log_prefix(rk, branch);
+        let from = keys::branch_log(rk, branch, position);
+        let mut out = Vec::new();
+        for (k, v) in self.store.scan(&prefix, &from, usize::MAX)? {
+            let entry: IndexEntry = codec::decode(&k, &v)?;
+            let rec = self.load_seq(rk, entry.seq)?;
+            if rec.class() != OpClass::SafeRetry {
+                out.push((rec, entry.position));
+            }
+        }
+        Ok(out)
+    }
+
     /// Starts a new branch at a checkpoint. Repeating an identical fork returns the branch.
-    pub fn fork(&self, tenant: &str, cmd: &ForkCmd) -> Result<BranchRecord> {
+    ///
+    /// A fork never undoes anything: what the parent recorded after the fork point is done in
+    /// the world, so it is *carried* onto the new branch (with what the parent itself still
+    /// carries). A call on the new branch equivalent to a carried effect replays it instead of
+    /// doing it a second time; any other call is a new effect, as a fork is the explicit
+    /// divergence.
+    pub fn fork(&self, tenant: &str, cmd: &ForkCmd) -> Result<Forked> {
         self.check_id("run_id", &cmd.run_id)?;
         self.check_id("checkpoint_id", &cmd.checkpoint_id)?;
         if !cmd.new_branch.is_empty() {
@@ -282,7 +314,11 @@ impl<S: Store> Ledger<S> {
             if existing.parent == Some(cp.branch)
                 && existing.forked_from_checkpoint == cp.checkpoint_id
             {
-                return Ok(existing.clone());
+                let carried = self.load_seqs(&rk, &existing.carried_seqs, now)?;
+                return Ok(Forked {
+                    branch: existing.clone(),
+                    carried,
+                });
             }
             return Err(LedgerError::AlreadyExists {
                 field: "new_branch".into(),
@@ -298,6 +334,19 @@ impl<S: Store> Ledger<S> {
                 ),
             });
         }
+        // Carried: the parent's log from the fork point (its own effects and those it adopted),
+        // then what the parent still carries itself, each effect once.
+        let parent = &run.branches[cp.branch as usize];
+        let mut carried: Vec<(EffectRecord, u32)> = self
+            .branch_log_from(&rk, cp.branch, cp.position)?
+            .into_iter()
+            .map(|(rec, _)| (rec, cp.branch))
+            .collect();
+        for (&seq, &source) in parent.carried_seqs.iter().zip(&parent.carried_sources) {
+            if !carried.iter().any(|(r, _)| r.seq == seq) {
+                carried.push((self.load_seq(&rk, seq)?, source));
+            }
+        }
         let branch = BranchRecord {
             name,
             parent: Some(cp.branch),
@@ -306,13 +355,24 @@ impl<S: Store> Ledger<S> {
             reason: cmd.reason.clone(),
             created_epoch: run.epoch,
             created_at_ms: now,
+            carried_seqs: carried.iter().map(|(r, _)| r.seq).collect(),
+            carried_sources: carried.iter().map(|(_, s)| *s).collect(),
             ..Default::default()
         };
         run.branches.push(branch.clone());
         let mut batch = Batch::new();
         batch.put(keys::run(&rk), codec::encode(&run));
         self.store.write(batch)?;
-        Ok(branch)
+        Ok(Forked {
+            branch,
+            carried: carried.into_iter().map(|(r, _)| r.view(now)).collect(),
+        })
+    }
+
+    fn load_seqs(&self, rk: &RunKey, seqs: &[u64], now: u64) -> Result<Vec<EffectRecord>> {
+        seqs.iter()
+            .map(|&s| Ok(self.load_seq(rk, s)?.view(now)))
+            .collect()
     }
 }
 

@@ -6,6 +6,7 @@ clients differ only in whether they await the call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Union
@@ -173,7 +174,10 @@ def fork(
     run: RunLike, checkpoint_id: str, epoch: int | None, new_branch: str, reason: str
 ) -> Rpc:
     def convert(r: pb.ForkResponse) -> t.BranchInfo:
-        branch = t.BranchInfo.from_proto(r.branch)
+        branch = dataclasses.replace(
+            t.BranchInfo.from_proto(r.branch),
+            carried=tuple(t.Receipt.from_proto(c) for c in r.carried),
+        )
         if isinstance(run, t.Run):
             run.branch = branch.name
         return branch

@@ -266,6 +266,11 @@ class BranchInfo:
     restored_from_checkpoint: str
     created_epoch: int
     created_at_ms: int
+    #: Effects carried from the parent (done there after the fork point) not yet re-issued here.
+    pending_carried: int = 0
+    #: Filled in the answer to ``fork`` only: the carried effects themselves. They stay done: an
+    #: equivalent call on the new branch replays one instead of running it again.
+    carried: tuple[Receipt, ...] = ()
 
     @classmethod
     def from_proto(cls, m: pb.BranchInfo) -> BranchInfo:
@@ -280,6 +285,7 @@ class BranchInfo:
             restored_from_checkpoint=m.restored_from_checkpoint,
             created_epoch=m.created_epoch,
             created_at_ms=m.created_at_ms,
+            pending_carried=m.pending_carried,
         )
 
 
