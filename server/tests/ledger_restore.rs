@@ -770,3 +770,192 @@ fn raw_credentials_are_never_stored() {
         .unwrap();
     assert!(q.is_none());
 }
+
+fn complete_at(
+    h: &Harness,
+    rec: &fence_server::ledger::records::EffectRecord,
+    epoch: u64,
+    result: &str,
+) {
+    h.ledger
+        .complete(
+            T,
+            &rec.id().to_string(),
+            rec.attempt,
+            epoch,
+            fence_server::ledger::Outcome::Completed(result.as_bytes().to_vec()),
+        )
+        .unwrap();
+}
+
+fn fork(h: &Harness, checkpoint: &str, epoch: u64, name: &str) -> Vec<u64> {
+    h.ledger
+        .fork(
+            T,
+            &ForkCmd {
+                run_id: "run".into(),
+                checkpoint_id: checkpoint.into(),
+                epoch,
+                new_branch: name.into(),
+                reason: "replan".into(),
+            },
+        )
+        .unwrap()
+        .carried
+        .iter()
+        .map(|r| r.seq)
+        .collect()
+}
+
+/// The fault benchmark's sibling-fork pattern (workflow 3381 of seed 1): restored to a point
+/// before an earlier fork, the agent forks again and re-issues what the first fork did. The
+/// first fork's effects are done in the world: carried, they replay on the second.
+#[test]
+fn a_second_fork_from_the_same_point_replays_what_the_first_one_did() {
+    let h = setup();
+    h.tool("email.send", OpClass::NonRetryable, &["ts"]);
+    checkpoint(&h, "run", "", 0, "cp");
+    // On main after the checkpoint: an accidental redirect, so a restore must fork.
+    let wrong = executed(h.begin(&call("run", TRANSFER, &transfer("mallory", 9, "a"))));
+    complete(&h, &wrong, "tx-wrong");
+    h.ledger.restore(T, "run", "cp", 0).unwrap();
+    refused(
+        h.begin(&on(2, "", call("run", TRANSFER, &transfer("emp", 9, "b")))),
+        Reason::ForkRequired,
+    );
+    assert_eq!(fork(&h, "cp", 2, "f1"), [wrong.seq]);
+    let pay = executed(h.begin(&on(
+        2,
+        "f1",
+        call("run", TRANSFER, &transfer("emp", 9, "c")),
+    )));
+    complete_at(&h, &pay, 2, "tx-pay");
+    let mail = executed(h.begin(&on(
+        2,
+        "f1",
+        call("run", "email.send", r#"{"to":"o","ts":1}"#),
+    )));
+    complete_at(&h, &mail, 2, "sent");
+
+    // The agent crashes and its framework restores main's checkpoint (before f1 began): what
+    // f1 did is carried by main now, so re-issued there it replays.
+    h.ledger.restore(T, "run", "cp", 0).unwrap();
+    let run = h.ledger.get_run(T, "run").unwrap().run;
+    assert_eq!(run.branches[0].carried_seqs, [pay.seq, mail.seq]);
+    assert_eq!(run.branches[0].tape_seqs, [wrong.seq]);
+    let again = replayed(h.begin(&on(3, "", call("run", TRANSFER, &transfer("emp", 9, "d")))));
+    assert_eq!(
+        (again.id(), again.result.as_slice()),
+        (pay.id(), &b"tx-pay"[..])
+    );
+    // The redirect is still due on main's tape: a new call must fork.
+    refused(
+        h.begin(&on(3, "", call("run", TRANSFER, &transfer("bob", 1, "e")))),
+        Reason::ForkRequired,
+    );
+    // The second fork carries main's effects (the adopted payment included) and the rest of
+    // what f1 did.
+    assert_eq!(fork(&h, "cp", 3, "f2"), [wrong.seq, pay.seq, mail.seq]);
+    let again = replayed(h.begin(&on(
+        3,
+        "f2",
+        call("run", TRANSFER, &transfer("emp", 9, "f")),
+    )));
+    assert_eq!(again.id(), pay.id());
+    let mail_again = replayed(h.begin(&on(
+        3,
+        "f2",
+        call("run", "email.send", r#"{"to":"o","ts":2}"#),
+    )));
+    assert_eq!(mail_again.id(), mail.id());
+    executed(h.begin(&on(
+        3,
+        "f2",
+        call("run", TRANSFER, &transfer("bob", 1, "g")),
+    )));
+    let (all, _) = h
+        .ledger
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        all.len(),
+        4,
+        "one redirect, one payment, one e-mail and the new transfer in the world"
+    );
+}
+
+/// The keyed variant (workflow 1283 of seed 1): a framework that names a re-planned step anew
+/// does not make a done intent new. Restored to before a fork, the agent re-issues the fork's
+/// intent under yet another step key, on main: the carried effect replays, and the new key is
+/// indexed to it, so a later restore replays it by that key too.
+#[test]
+fn a_carried_intent_replays_under_a_new_step_key() {
+    let h = setup();
+    checkpoint(&h, "run", "", 0, "cp");
+    let small = executed(h.begin(&keyed("run", "s0-g0", TRANSFER, &transfer("bob", 8, "a"))));
+    complete(&h, &small, "tx-8");
+    h.ledger.restore(T, "run", "cp", 0).unwrap();
+    refused(
+        h.begin(&on(
+            2,
+            "",
+            keyed("run", "s0-g1", TRANSFER, &transfer("bob", 64, "b")),
+        )),
+        Reason::ForkRequired,
+    );
+    fork(&h, "cp", 2, "f1");
+    let big = executed(h.begin(&on(
+        2,
+        "f1",
+        keyed("run", "s0-g1", TRANSFER, &transfer("bob", 64, "c")),
+    )));
+    complete_at(&h, &big, 2, "tx-64");
+
+    h.ledger.restore(T, "run", "cp", 0).unwrap();
+    // On main, under a third name: the transfer of 64 is done (on f1), so it replays.
+    let replay = replayed(h.begin(&on(
+        3,
+        "main",
+        keyed("run", "s0-g2", TRANSFER, &transfer("bob", 64, "d")),
+    )));
+    assert_eq!(replay.id(), big.id());
+    // Adopted, the effect is main's under both names: another intent under either is a
+    // mismatch, not a new effect.
+    for key in ["s0-g1", "s0-g2"] {
+        refused(
+            h.begin(&on(
+                3,
+                "",
+                keyed("run", key, TRANSFER, &transfer("bob", 65, "e")),
+            )),
+            Reason::ArgumentMismatch,
+        );
+    }
+    // Adopted into main's log under "s0-g2": after another restore, it is on the tape.
+    checkpoint(&h, "run", "", 3, "cp2");
+    let restored = h.ledger.restore(T, "run", "cp", 0).unwrap();
+    assert!(restored.tape.iter().any(|r| r.id() == big.id()));
+    let by_key = replayed(h.begin(&on(
+        4,
+        "",
+        keyed("run", "s0-g2", TRANSFER, &transfer("bob", 64, "f")),
+    )));
+    assert_eq!(by_key.id(), big.id());
+    let (all, _) = h
+        .ledger
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(all.len(), 2, "one transfer of 8 and one of 64");
+}

@@ -413,9 +413,11 @@ impl<S: Store> Ledger<S> {
         })
     }
 
-    /// Matches against the effects carried onto this fork; `None` when the call is none of
-    /// them. A keyed call matches by its step key only (as on the tape), and only with the
-    /// same intent: a fork may redefine a step.
+    /// Matches against the effects this branch carries (done in the world after its starting
+    /// point, on another line of history); `None` when the call is none of them. A call is
+    /// the carried effect of its step key when that has the same intent, else the earliest
+    /// carried effect of its intent: the branch's plan may name its steps differently, but
+    /// an intent already done there is done, and a new step key does not make it new.
     fn match_carried(&self, call: &Call<'_>) -> Result<Option<Match>> {
         let branch = call.branch();
         if branch.carried_seqs.is_empty() {
@@ -425,17 +427,24 @@ impl<S: Store> Ledger<S> {
         sources.sort_unstable();
         sources.dedup();
         let carried = &branch.carried_seqs;
-        let seq = if call.cmd.step_key.is_empty() {
-            self.earliest_intent_among(call, &sources, carried)?
-        } else {
-            self.step_entry_among(call, &sources, carried)?
-        };
-        let Some(seq) = seq else { return Ok(None) };
-        let rec = self.load_seq(&call.rk, seq)?;
-        Ok(call.same_intent(&rec).then_some(Match::Existing {
-            rec,
-            via: Via::Carried,
-        }))
+        if !call.cmd.step_key.is_empty()
+            && let Some(seq) = self.step_entry_among(call, &sources, carried)?
+        {
+            let rec = self.load_seq(&call.rk, seq)?;
+            if call.same_intent(&rec) {
+                return Ok(Some(Match::Existing {
+                    rec,
+                    via: Via::Carried,
+                }));
+            }
+        }
+        Ok(match self.earliest_intent_among(call, &sources, carried)? {
+            Some(seq) => Some(Match::Existing {
+                rec: self.load_seq(&call.rk, seq)?,
+                via: Via::Carried,
+            }),
+            None => None,
+        })
     }
 
     /// The effect among `seqs` that one of `branches` indexes under the call's step key.
@@ -726,9 +735,12 @@ impl<S: Store> Ledger<S> {
             tool_version: rec.tool_version,
         });
         batch.put(keys::branch_log(&call.rk, b, position), entry.clone());
-        if !rec.step_key.is_empty() {
-            let step = keys::step(&call.rk, b, &rec.step_key);
-            // A step this branch already recorded for itself keeps its own meaning.
+        // Indexed under the call's step key (how this branch names the step) and the
+        // effect's own; a step this branch already recorded for itself keeps its meaning.
+        let mut step_keys = vec![call.cmd.step_key.as_str(), rec.step_key.as_str()];
+        step_keys.dedup();
+        for step_key in step_keys.into_iter().filter(|k| !k.is_empty()) {
+            let step = keys::step(&call.rk, b, step_key);
             if self.store.get(&step)?.is_none() {
                 batch.put(step, entry.clone());
             }

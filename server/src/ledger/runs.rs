@@ -5,6 +5,12 @@
 //! recorded after the checkpoint on the branch's replay tape, which [`begin`](super::begin)
 //! consumes. `Fork` starts a new branch at a checkpoint; the parent's effects before the fork
 //! point are its lineage, and nothing recorded anywhere is ever undone or hidden.
+//!
+//! Whatever else is done in the world after a checkpoint (the parent's later effects, for a
+//! fork; what branches forked from that point did, for a restore or a fork) is *carried* by
+//! the branch that goes on from there: a call equivalent to a carried effect is that effect
+//! (it replays and is adopted into the branch's log), never a second one, while any other call
+//! is judged as usual.
 
 use super::begin::new_run;
 use super::records::{
@@ -230,8 +236,23 @@ impl<S: Store> Ledger<S> {
             .branch_log_from(&rk, cp.branch, cp.position)?
             .into_iter()
             .unzip();
+        // What other branches did after the checkpoint stays done too: carried, so that an
+        // equivalent call replays it (the tape itself stays this branch's own log, in order).
+        let lineage = run.lineage(cp.branch);
+        let alternatives: Vec<(u64, u32)> = self
+            .done_after(&rk, &run, cp.branch, cp.position)?
+            .into_iter()
+            .filter(|(rec, _)| !rec.visible_on(&lineage))
+            .map(|(rec, source)| (rec.seq, source))
+            .collect();
         run.epoch += 1;
         let branch = &mut run.branches[cp.branch as usize];
+        for (seq, source) in alternatives {
+            if !branch.carried_seqs.contains(&seq) {
+                branch.carried_seqs.push(seq);
+                branch.carried_sources.push(source);
+            }
+        }
         branch.tape_seqs = tape.iter().map(|r| r.seq).collect();
         branch.tape_positions = positions;
         branch.restored_from_checkpoint = if tape.is_empty() {
@@ -335,16 +356,18 @@ impl<S: Store> Ledger<S> {
             });
         }
         // Carried: the parent's log from the fork point (its own effects and those it adopted),
-        // then what the parent still carries itself, each effect once.
-        let parent = &run.branches[cp.branch as usize];
+        // then everything else done after that point: see `done_after`.
         let mut carried: Vec<(EffectRecord, u32)> = self
             .branch_log_from(&rk, cp.branch, cp.position)?
             .into_iter()
             .map(|(rec, _)| (rec, cp.branch))
             .collect();
-        for (&seq, &source) in parent.carried_seqs.iter().zip(&parent.carried_sources) {
-            if !carried.iter().any(|(r, _)| r.seq == seq) {
-                carried.push((self.load_seq(&rk, seq)?, source));
+        let mut lineage = run.lineage(cp.branch);
+        // The new branch's lineage: the parent up to the fork point, then its ancestors.
+        lineage[0].1 = cp.position;
+        for (rec, source) in self.done_after(&rk, &run, cp.branch, cp.position)? {
+            if !rec.visible_on(&lineage) && !carried.iter().any(|(r, _)| r.seq == rec.seq) {
+                carried.push((rec, source));
             }
         }
         let branch = BranchRecord {
@@ -367,6 +390,50 @@ impl<S: Store> Ledger<S> {
             branch,
             carried: carried.into_iter().map(|(r, _)| r.view(now)).collect(),
         })
+    }
+
+    /// What else is done in the world after `position` on `branch`, besides that branch's own
+    /// log: what the branch still carries, and the whole history of every branch forked from
+    /// it at or after that position (and of everything forked from those), with the branch
+    /// whose indexes hold each effect. An agent that comes back to that point has abandoned
+    /// those lines of history, but not their effects. SAFE_RETRY calls are left out.
+    fn done_after(
+        &self,
+        rk: &RunKey,
+        run: &RunRecord,
+        branch: u32,
+        position: u64,
+    ) -> Result<Vec<(EffectRecord, u32)>> {
+        let mut out: Vec<(EffectRecord, u32)> = Vec::new();
+        let push = |rec: EffectRecord, source: u32, out: &mut Vec<(EffectRecord, u32)>| {
+            if rec.class() != OpClass::SafeRetry && !out.iter().any(|(r, _)| r.seq == rec.seq) {
+                out.push((rec, source));
+            }
+        };
+        let own = &run.branches[branch as usize];
+        for (&seq, &source) in own.carried_seqs.iter().zip(&own.carried_sources) {
+            push(self.load_seq(rk, seq)?, source, &mut out);
+        }
+        // A child always has a higher index than its parent, so one pass finds every
+        // descendant.
+        let mut abandoned = vec![false; run.branches.len()];
+        for (i, b) in run.branches.iter().enumerate() {
+            abandoned[i] = match b.parent {
+                Some(p) if p == branch => b.fork_position >= position,
+                Some(p) => abandoned[p as usize],
+                None => false,
+            };
+            if !abandoned[i] {
+                continue;
+            }
+            for (rec, _) in self.branch_log_from(rk, i as u32, 0)? {
+                push(rec, i as u32, &mut out);
+            }
+            for (&seq, &source) in b.carried_seqs.iter().zip(&b.carried_sources) {
+                push(self.load_seq(rk, seq)?, source, &mut out);
+            }
+        }
+        Ok(out)
     }
 
     fn load_seqs(&self, rk: &RunKey, seqs: &[u64], now: u64) -> Result<Vec<EffectRecord>> {
