@@ -347,6 +347,18 @@ async fn run_workflow<P: Protection>(cfg: &Config, wf: &Workflow, p: &P, tally: 
                         Tally::bump(&tally.abandoned);
                         return;
                     }
+                    if matches!(
+                        reason.as_str(),
+                        "CREDENTIAL_CONSUMED" | "CREDENTIAL_MISMATCH"
+                    ) {
+                        // The approval was spent by another call (an accidental rewrite that
+                        // executed): authority does not come back on a fork, so the agent
+                        // follows the refusal's recovery (REAUTHENTICATE) and stops to ask for
+                        // a new approval instead of forking again and again.
+                        trace(format!("  needs a new approval: {reason}"));
+                        Tally::bump(&tally.abandoned);
+                        return;
+                    }
                     Tally::bump(&tally.refused_changes);
                     if drift.deliberate || !drift.intent {
                         // The agent means this call (a deliberate change, or its plan, which

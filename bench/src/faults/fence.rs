@@ -362,9 +362,30 @@ impl<'a> FenceArm<'a> {
                 }),
             ),
         };
+        if self
+            .reconcile(&receipt.effect_id, run.epoch, evidence, outcome)
+            .await?
+            && let Some(response) = found
+        {
+            self.acks()
+                .completed
+                .insert(receipt.effect_id.clone(), response);
+        }
+        Ok(())
+    }
+
+    /// Records a checked outcome; `Ok(false)` when Fence had it settled meanwhile (or it is
+    /// still running): the next Begin says what to do.
+    async fn reconcile(
+        &self,
+        effect_id: &str,
+        epoch: u64,
+        evidence: String,
+        outcome: pb::reconcile_request::Outcome,
+    ) -> Result<bool, String> {
         let req = pb::ReconcileRequest {
-            effect_id: receipt.effect_id.clone(),
-            epoch: run.epoch,
+            effect_id: effect_id.to_owned(),
+            epoch,
             evidence,
             outcome: Some(outcome),
         };
@@ -375,16 +396,8 @@ impl<'a> FenceArm<'a> {
             })
             .await
         {
-            Ok(_) => {
-                if let Some(response) = found {
-                    self.acks()
-                        .completed
-                        .insert(receipt.effect_id.clone(), response);
-                }
-                Ok(())
-            }
-            // Settled meanwhile, or still running: the next Begin says what to do.
-            Err(s) if s.code() == Code::FailedPrecondition => Ok(()),
+            Ok(_) => Ok(true),
+            Err(s) if s.code() == Code::FailedPrecondition => Ok(false),
             Err(s) => Err(format!("Reconcile: {s}")),
         }
     }
@@ -591,6 +604,23 @@ impl<'a> FenceArm<'a> {
                     });
                 return match complete(failed).await {
                     Ok(_) => Attempt::Rejected(why),
+                    // The lease lapsed before the report (the outcome reads unknown now): the
+                    // downstream's rejection is the evidence that it did not happen.
+                    Err(s) if reason_of(&s) == pb::ReasonCode::ReconcileRequired.as_str_name() => {
+                        let outcome = pb::reconcile_request::Outcome::FailedBeforeInput(
+                            pb::FailedBeforeInput {
+                                detail: why.clone(),
+                            },
+                        );
+                        let evidence = format!("the downstream rejected the call: {why}");
+                        match self
+                            .reconcile(&ex.effect_id, epoch, evidence, outcome)
+                            .await
+                        {
+                            Ok(_) => Attempt::Rejected(why),
+                            Err(e) => Attempt::Error(e),
+                        }
+                    }
                     Err(s) => Attempt::Error(format!("Complete(failed) after a rejection: {s}")),
                 };
             }
