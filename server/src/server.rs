@@ -88,6 +88,19 @@ pub fn open_ledger(
     config: &Config,
     clock: Arc<dyn Clock>,
 ) -> Result<Ledger<RocksStore>, ServeError> {
+    let store = StoreOptions {
+        block_cache_bytes: config.block_cache_mb << 20,
+        sync_writes: true,
+    };
+    open_ledger_with(config, clock, &store)
+}
+
+/// [`open_ledger`] with explicit store options (a bulk load turns `sync_writes` off).
+pub fn open_ledger_with(
+    config: &Config,
+    clock: Arc<dyn Clock>,
+    store: &StoreOptions,
+) -> Result<Ledger<RocksStore>, ServeError> {
     std::fs::create_dir_all(&config.data_dir).map_err(|e| {
         StoreError::Engine(format!("cannot create {}: {e}", config.data_dir.display()))
     })?;
@@ -96,12 +109,7 @@ pub fn open_ledger(
         .clone()
         .unwrap_or_else(|| config.data_dir.join("credential.key"));
     let credential_key = load_or_create_key(&key_path)?;
-    let store = RocksStore::open(
-        config.data_dir.join("ledger"),
-        &StoreOptions {
-            block_cache_bytes: config.block_cache_mb << 20,
-        },
-    )?;
+    let store = RocksStore::open(config.data_dir.join("ledger"), store)?;
     let ledger_config = LedgerConfig {
         default_lease_ms: config.lease_ms,
         max_lease_ms: config.max_lease_ms,

@@ -23,12 +23,17 @@ pub const LEDGER_CF: &str = "ledger";
 pub struct StoreOptions {
     /// Block cache size in bytes.
     pub block_cache_bytes: usize,
+    /// Sync the WAL before a write returns. Only a bulk load that closes the store before
+    /// anything is served may turn this off: an unsynced write can be lost to a machine
+    /// crash, and nothing served from this store may depend on one.
+    pub sync_writes: bool,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
         Self {
             block_cache_bytes: 128 << 20,
+            sync_writes: true,
         }
     }
 }
@@ -59,10 +64,11 @@ fn engine(e: rocksdb::Error) -> StoreError {
     StoreError::Engine(e.into_string())
 }
 
-/// The one way every transition is written: WAL on, fsync before returning.
-fn durable() -> WriteOptions {
+/// The one way every transition is written: WAL on, fsync before returning (unless a bulk
+/// load said otherwise).
+fn write_options(sync: bool) -> WriteOptions {
     let mut w = WriteOptions::default();
-    w.set_sync(true);
+    w.set_sync(sync);
     w.disable_wal(false);
     w
 }
@@ -200,7 +206,8 @@ impl Store for RocksStore {
                     Op::Delete(k) => wb.delete_cf(cf, k),
                 }
             }
-            db.write_opt(wb, &durable()).map_err(engine)
+            db.write_opt(wb, &write_options(self.opts.sync_writes))
+                .map_err(engine)
         });
         if result.is_err() {
             // RocksDB may now refuse every write until reopened; do that on the next call.
@@ -244,5 +251,23 @@ mod tests {
         assert_eq!(s.scan(&[1], &[1], 1).unwrap().len(), 1);
         assert_eq!(s.get(&[2, 0]).unwrap(), Some(vec![2, 0]));
         assert_eq!(s.get(&[1, 3]).unwrap(), None);
+    }
+
+    #[test]
+    fn a_bulk_load_without_wal_syncs_is_on_disk_after_a_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let bulk = StoreOptions {
+                sync_writes: false,
+                ..StoreOptions::default()
+            };
+            let s = RocksStore::open(dir.path(), &bulk).unwrap();
+            let mut b = Batch::new();
+            b.put(vec![7, 1], vec![1]);
+            s.write(b).unwrap();
+            s.flush().unwrap();
+        }
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        assert_eq!(s.get(&[7, 1]).unwrap(), Some(vec![1]));
     }
 }
