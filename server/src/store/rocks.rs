@@ -153,6 +153,15 @@ impl RocksStore {
     pub fn flush(&self) -> Result<(), StoreError> {
         self.with_db(|db| db.flush_cf(cf(db)).map_err(engine))
     }
+
+    /// Compacts the whole key range (after a bulk load, so that what is measured next does
+    /// not pay for the load's compaction debt).
+    pub fn compact(&self) -> Result<(), StoreError> {
+        self.with_db(|db| {
+            db.compact_range_cf(cf(db), None::<&[u8]>, None::<&[u8]>);
+            Ok(())
+        })
+    }
 }
 
 /// The smallest key greater than every key starting with `prefix` (None if there is none).
