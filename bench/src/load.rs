@@ -424,15 +424,16 @@ async fn worker<C: EffectClient>(
 
 /// Fills the ledger in `data_dir` (the layout `fenced --data-dir` uses) with completed
 /// effects, in-process through the real ledger, from `threads` threads at once. It is a bulk
-/// load: writes skip the WAL sync and the memtables are flushed to (synced) SST files before
-/// the store closes, so the records are on disk before `fenced` opens them, then the whole
-/// range is compacted; what is measured afterwards is served with every write synced. Effects go to runs of 1000 named after
-/// their number, so a preload can be continued from where it stopped.
+/// load: writes skip the WAL sync, and before the store closes the memtables are flushed to
+/// (synced) SST files and the whole range is compacted, so the records are on disk before
+/// `fenced` opens them; what is measured afterwards is served with every write synced.
+/// Effects go to runs of 1000 named after their number, so a preload can be continued from
+/// where it stopped.
 pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Duration> {
     let config = fence_server::Config::with_data_dir(data_dir);
     let store = fence_server::store::StoreOptions {
-        block_cache_bytes: config.block_cache_mb << 20,
         sync_writes: false,
+        ..fence_server::server::store_options(&config)
     };
     let ledger = fence_server::server::open_ledger_with(&config, Arc::new(SystemClock), &store)
         .context("open the ledger")?;

@@ -88,11 +88,15 @@ pub fn open_ledger(
     config: &Config,
     clock: Arc<dyn Clock>,
 ) -> Result<Ledger<RocksStore>, ServeError> {
-    let store = StoreOptions {
+    open_ledger_with(config, clock, &store_options(config))
+}
+
+/// The store options `config` asks for (every write synced).
+pub fn store_options(config: &Config) -> StoreOptions {
+    StoreOptions {
         block_cache_bytes: config.block_cache_mb << 20,
         sync_writes: true,
-    };
-    open_ledger_with(config, clock, &store)
+    }
 }
 
 /// [`open_ledger`] with explicit store options (a bulk load turns `sync_writes` off).

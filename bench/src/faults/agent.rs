@@ -337,25 +337,22 @@ async fn run_workflow<P: Protection>(cfg: &Config, wf: &Workflow, p: &P, tally: 
                         Tally::bump(&tally.abandoned);
                         return;
                     }
-                    if same_intent {
-                        // A restore took the agent back across a fork: this call happened on the
-                        // other branch and spent the approval there. Only a new approval can
-                        // make it happen here; the agent stops and asks for one.
-                        trace(format!(
-                            "  needs a new approval: {reason} on another branch"
-                        ));
-                        Tally::bump(&tally.abandoned);
-                        return;
-                    }
-                    if matches!(
+                    let spent = matches!(
                         reason.as_str(),
                         "CREDENTIAL_CONSUMED" | "CREDENTIAL_MISMATCH"
-                    ) {
-                        // The approval was spent by another call (an accidental rewrite that
-                        // executed): authority does not come back on a fork, so the agent
-                        // follows the refusal's recovery (REAUTHENTICATE) and stops to ask for
-                        // a new approval instead of forking again and again.
-                        trace(format!("  needs a new approval: {reason}"));
+                    );
+                    if same_intent || spent {
+                        // The approval is spent: by this very call on another branch (a restore
+                        // took the agent back across a fork), or by an accidental rewrite that
+                        // executed. Authority does not come back on a fork, so the agent follows
+                        // the refusal's recovery (REAUTHENTICATE) and stops to ask for a new
+                        // approval instead of forking again and again.
+                        let where_ = if same_intent {
+                            " on another branch"
+                        } else {
+                            ""
+                        };
+                        trace(format!("  needs a new approval: {reason}{where_}"));
                         Tally::bump(&tally.abandoned);
                         return;
                     }
