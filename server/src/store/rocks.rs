@@ -9,8 +9,8 @@ use std::sync::RwLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction, IteratorMode, Options,
-    ReadOptions, WriteBatch, WriteOptions,
+    BlockBasedIndexType, BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction,
+    IteratorMode, Options, ReadOptions, WriteBatch, WriteOptions,
 };
 
 use super::{Batch, Entries, Op, Store, StoreError};
@@ -92,6 +92,14 @@ fn open_db(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
     // Keep index and filter blocks in the cache so memory is bounded by one knob.
     table.set_cache_index_and_filter_blocks(true);
     table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+    // Partition them into 4 KiB blocks under a small pinned top level. A whole-file index or
+    // filter of a 64 MiB table is about a megabyte: larger than a block-cache shard's fair
+    // share, so data blocks kept evicting it and every lookup re-read and re-checksummed a
+    // megabyte (finding F8 in docs/BENCHMARKS.md: latency tripled by 1M stored effects).
+    table.set_index_type(BlockBasedIndexType::TwoLevelIndexSearch);
+    table.set_partition_filters(true);
+    table.set_metadata_block_size(4096);
+    table.set_pin_top_level_index_and_filter(true);
     table.set_block_cache(&Cache::new_lru_cache(opts.block_cache_bytes));
     let mut cf_opts = Options::default();
     cf_opts.set_block_based_table_factory(&table);
