@@ -175,29 +175,84 @@ pub async fn register_tool(channel: Channel) -> Result<()> {
     Ok(())
 }
 
-/// What a closed-loop measurement needs: one effect, begun and completed.
+/// What a closed-loop measurement needs: one turn of `batch` effects, begun and completed.
 trait EffectClient: Send + 'static {
+    /// Effects per turn.
+    fn batch(&self) -> u64;
+    /// Turn `n` (effects `n * batch ..`).
     fn effect(&mut self, worker: u64, n: u64) -> impl Future<Output = Result<()>> + Send;
 }
 
 struct FenceEffects {
     client: FenceClient<Channel>,
     run_id: String,
+    batch: u64,
+}
+
+impl FenceEffects {
+    fn call(&self, worker: u64, n: u64) -> pb::BeginRequest {
+        pb::BeginRequest {
+            run_id: self.run_id.clone(),
+            tool: TOOL.into(),
+            step_key: format!("s{n}"),
+            arguments_json: arguments(worker, n),
+            ..Default::default()
+        }
+    }
+
+    /// A turn of parallel tool calls: one BeginBatch, one CompleteBatch.
+    async fn turn(&mut self, worker: u64, n: u64) -> Result<()> {
+        let first = n * self.batch;
+        let calls = (first..first + self.batch)
+            .map(|i| self.call(worker, i))
+            .collect();
+        let begun = self
+            .client
+            .begin_batch(pb::BeginBatchRequest { calls })
+            .await?
+            .into_inner();
+        let mut completions = Vec::with_capacity(begun.results.len());
+        for (i, r) in (first..).zip(begun.results) {
+            let Some(pb::begin_result::Result::Response(resp)) = r.result else {
+                bail!("expected an answer for a new effect, got {r:?}");
+            };
+            let Some(Outcome::Execute(ex)) = resp.decision.and_then(|d| d.outcome) else {
+                bail!("expected a grant for a new effect");
+            };
+            completions.push(pb::CompleteRequest {
+                effect_id: ex.effect_id,
+                attempt: ex.attempt,
+                outcome: Some(pb::complete_request::Outcome::Result(
+                    format!("tx-{worker}-{i}").into_bytes(),
+                )),
+                ..Default::default()
+            });
+        }
+        let done = self
+            .client
+            .complete_batch(pb::CompleteBatchRequest { completions })
+            .await?
+            .into_inner();
+        if let Some(e) = done.results.iter().find_map(|r| match &r.result {
+            Some(pb::complete_result::Result::Response(_)) => None,
+            other => Some(format!("{other:?}")),
+        }) {
+            bail!("a completion failed: {e}");
+        }
+        Ok(())
+    }
 }
 
 impl EffectClient for FenceEffects {
+    fn batch(&self) -> u64 {
+        self.batch
+    }
+
     async fn effect(&mut self, worker: u64, n: u64) -> Result<()> {
-        let begun = self
-            .client
-            .begin(pb::BeginRequest {
-                run_id: self.run_id.clone(),
-                tool: TOOL.into(),
-                step_key: format!("s{n}"),
-                arguments_json: arguments(worker, n),
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
+        if self.batch > 1 {
+            return self.turn(worker, n).await;
+        }
+        let begun = self.client.begin(self.call(worker, n)).await?.into_inner();
         let Some(Outcome::Execute(ex)) = begun.decision.and_then(|d| d.outcome) else {
             bail!("expected a grant for a new effect");
         };
@@ -217,19 +272,79 @@ impl EffectClient for FenceEffects {
 
 struct PgEffects {
     client: tokio_postgres::Client,
+    batch: u64,
     begin: tokio_postgres::Statement,
     complete: tokio_postgres::Statement,
     run_id: String,
     schema: fence_server::canonical::IntentSchema,
 }
 
-impl EffectClient for PgEffects {
-    async fn effect(&mut self, worker: u64, n: u64) -> Result<()> {
-        let args = arguments(worker, n);
-        // The usual way still fingerprints the request, so a retry can be compared.
-        let value = fence_server::canonical::parse_arguments(&args)?;
+impl PgEffects {
+    /// The fingerprint the usual way computes too, so a retry can be compared.
+    fn fingerprint(&self, args: &str) -> Result<[u8; 32]> {
+        let value = fence_server::canonical::parse_arguments(args)?;
         let canonical = fence_server::canonical::canonical_intent(&value, &self.schema);
-        let fp = fence_server::canonical::intent_fingerprint(TOOL, &canonical);
+        Ok(fence_server::canonical::intent_fingerprint(
+            TOOL, &canonical,
+        ))
+    }
+
+    /// A turn of parallel tool calls the usual way: one transaction inserting every key, one
+    /// updating every row (statements pipelined on the connection; one commit each).
+    async fn turn(&mut self, worker: u64, n: u64) -> Result<()> {
+        let first = n * self.batch;
+        let rows: Vec<(String, String, [u8; 32])> = (first..first + self.batch)
+            .map(|i| {
+                let args = arguments(worker, i);
+                let fp = self.fingerprint(&args)?;
+                Ok((format!("s{i}"), args, fp))
+            })
+            .collect::<Result<_>>()?;
+        let (begin, complete, run_id) = (&self.begin, &self.complete, &self.run_id);
+        let tx = self.client.transaction().await?;
+        let inserted = futures::future::try_join_all(rows.iter().map(|(step, args, fp)| {
+            let tx = &tx;
+            async move {
+                let fp: &[u8] = &fp[..];
+                tx.query_opt(begin, &[&TENANT, run_id, step, &fp, args])
+                    .await
+            }
+        }))
+        .await?;
+        if inserted.iter().any(Option::is_none) {
+            bail!("expected new rows for new effects");
+        }
+        tx.commit().await?;
+        let results: Vec<Vec<u8>> = (first..first + self.batch)
+            .map(|i| format!("tx-{worker}-{i}").into_bytes())
+            .collect();
+        let tx = self.client.transaction().await?;
+        let updated = futures::future::try_join_all(rows.iter().zip(&results).map(
+            |((step, _, _), result)| {
+                let tx = &tx;
+                async move { tx.execute(complete, &[&TENANT, run_id, step, result]).await }
+            },
+        ))
+        .await?;
+        if updated.iter().any(|u| *u != 1) {
+            bail!("complete updated {updated:?} rows");
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+impl EffectClient for PgEffects {
+    fn batch(&self) -> u64 {
+        self.batch
+    }
+
+    async fn effect(&mut self, worker: u64, n: u64) -> Result<()> {
+        if self.batch > 1 {
+            return self.turn(worker, n).await;
+        }
+        let args = arguments(worker, n);
+        let fp = self.fingerprint(&args)?;
         let step = format!("s{n}");
         let row = self
             .client
@@ -321,11 +436,15 @@ pub enum Target {
 }
 
 /// Runs `concurrency` closed-loop workers for `warmup + measure`; `label` keeps run ids
-/// unique across measurements.
+/// unique across measurements. Each worker's turn is `batch` effects: 1 = Begin then Complete
+/// per effect; more = that many parallel tool calls, begun together and completed together
+/// (Fence: BeginBatch and CompleteBatch; Postgres: one transaction for each half). Latency is
+/// per turn; throughput counts effects.
 pub async fn closed_loop(
     target: &Target,
     label: &str,
     concurrency: usize,
+    batch: usize,
     warmup: Duration,
     measure: Duration,
 ) -> Result<Measured> {
@@ -342,6 +461,7 @@ pub async fn closed_loop(
                 let client = FenceEffects {
                     client: FenceClient::new(channels[w as usize % channels.len()].clone()),
                     run_id,
+                    batch: batch.max(1) as u64,
                 };
                 tasks.push(tokio::spawn(worker(
                     client,
@@ -358,6 +478,7 @@ pub async fn closed_loop(
                 let complete = client.prepare(PG_COMPLETE).await?;
                 let c = PgEffects {
                     client,
+                    batch: batch.max(1) as u64,
                     begin,
                     complete,
                     run_id,
@@ -416,7 +537,7 @@ async fn worker<C: EffectClient>(
         }
         if t >= measure_from {
             m.hist.record(micros(t.elapsed()))?;
-            m.ops += 1;
+            m.ops += client.batch();
         }
     }
     Ok(m)

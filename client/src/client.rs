@@ -18,9 +18,9 @@ use tower::{Service, ServiceExt};
 use crate::error::Error;
 use crate::retry::RetryPolicy;
 use crate::types::{
-    BeginOutcome, CheckpointInfo, Compensation, Completion, CredentialInfo, CredentialUse, Finding,
-    Forked, NewCredential, Outcome, OutcomeKey, Receipt, RegisteredTool, Restored, RunInfo, Stored,
-    ToolDef, receipt_req, required,
+    BeginOutcome, CheckpointInfo, Compensation, CompleteCall, Completion, CredentialInfo,
+    CredentialUse, Finding, Forked, NewCredential, Outcome, OutcomeKey, Receipt, RegisteredTool,
+    Restored, RunInfo, Stored, ToolDef, receipt_req, required,
 };
 
 /// A boxed error, as returned by a custom transport.
@@ -790,6 +790,94 @@ impl FenceClient {
         response.try_into()
     }
 
+    /// Begins several calls in one request (an agent's parallel tool calls): each is decided
+    /// as [`FenceClient::begin`] would decide it alone, in order, and all their writes share
+    /// one durable sync on the server. The outer `Err` means the request failed as a whole
+    /// (any call may or may not have been recorded: resend the same calls, with their request
+    /// ids, to get the same effects back); otherwise there is one result per call.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::{Decision, EffectCall};
+    ///
+    /// let calls = [
+    ///     EffectCall::new("trip-7", "flights.book", r#"{"flight":"LH400"}"#).step_key("flight"),
+    ///     EffectCall::new("trip-7", "hotels.book", r#"{"hotel":"Adlon"}"#).step_key("hotel"),
+    /// ];
+    /// for result in client.begin_batch(&calls).await? {
+    ///     if let Decision::Execute(grant) = result?.decision {
+    ///         println!("run {} with key {}", grant.effect_id, grant.downstream_key);
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn begin_batch(
+        &self,
+        calls: &[EffectCall],
+    ) -> Result<Vec<Result<BeginOutcome, Error>>, Error> {
+        let request = pb::BeginBatchRequest {
+            calls: calls.iter().map(pb::BeginRequest::from).collect(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.begin_batch(r).await })
+            .await?;
+        let results = batch_results(calls.len(), response.results, |r| match r.result {
+            Some(pb::begin_result::Result::Response(b)) => Ok(Ok(b)),
+            Some(pb::begin_result::Result::Error(e)) => Ok(Err(e)),
+            None => Err(Error::protocol("a batch result is empty")),
+        })?
+        .into_iter()
+        .map(|r| r.and_then(BeginOutcome::try_from))
+        .collect::<Vec<_>>();
+        Ok(results)
+    }
+
+    /// Records several outcomes in one request, each as [`FenceClient::complete`] would alone,
+    /// in order, with one durable sync for all; results as in [`FenceClient::begin_batch`].
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::{CompleteCall, Completion};
+    ///
+    /// let done = [
+    ///     CompleteCall::new("effect-1", 1, Completion::Result(b"PNR-1".to_vec())),
+    ///     CompleteCall::new("effect-2", 1, Completion::Result(b"HTL-9".to_vec())),
+    /// ];
+    /// for result in client.complete_batch(&done).await? {
+    ///     println!("{}", result?.state);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn complete_batch(
+        &self,
+        completions: &[CompleteCall],
+    ) -> Result<Vec<Result<Receipt, Error>>, Error> {
+        let request = pb::CompleteBatchRequest {
+            completions: completions
+                .iter()
+                .map(|c| pb::CompleteRequest {
+                    effect_id: c.effect_id.clone(),
+                    attempt: c.attempt,
+                    epoch: c.epoch,
+                    outcome: Some(c.completion.clone().into()),
+                })
+                .collect(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.complete_batch(r).await })
+            .await?;
+        Ok(
+            batch_results(completions.len(), response.results, |r| match r.result {
+                Some(pb::complete_result::Result::Response(c)) => Ok(Ok(c)),
+                Some(pb::complete_result::Result::Error(e)) => Ok(Err(e)),
+                None => Err(Error::protocol("a batch result is empty")),
+            })?
+            .into_iter()
+            .map(|r| r.and_then(|c| receipt_req(c.receipt, "receipt")))
+            .collect(),
+        )
+    }
+
     /// Extends a granted effect's lease (`extend_ms` 0 = the grant's lease length).
     ///
     /// ```no_run
@@ -1023,6 +1111,33 @@ impl FenceClient {
             .await?;
         Ok(required(response.credential, "credential")?.into())
     }
+}
+
+/// Splits a batch response into one result per call, each error as the status the call would
+/// have failed with alone; a response with the wrong number of results is a protocol error.
+fn batch_results<R, T>(
+    expected: usize,
+    results: Vec<R>,
+    split: impl Fn(R) -> Result<Result<T, pb::CallError>, Error>,
+) -> Result<Vec<Result<T, Error>>, Error> {
+    if results.len() != expected {
+        return Err(Error::protocol(format!(
+            "the server answered {} results for {expected} calls",
+            results.len()
+        )));
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            Ok(split(r)?.map_err(|e| {
+                Error::from(tonic::Status::with_details(
+                    tonic::Code::from(e.code),
+                    e.message,
+                    e.details.into(),
+                ))
+            }))
+        })
+        .collect()
 }
 
 #[cfg(test)]

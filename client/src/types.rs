@@ -743,6 +743,37 @@ impl TryFrom<pb::BeginResponse> for BeginOutcome {
     }
 }
 
+/// One completion of a [`FenceClient::complete_batch`](crate::FenceClient::complete_batch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompleteCall {
+    /// The effect id from the grant.
+    pub effect_id: String,
+    /// The attempt number from the grant.
+    pub attempt: u32,
+    /// The caller's epoch (0 before any restore).
+    pub epoch: u64,
+    /// How the effect ended.
+    pub completion: Completion,
+}
+
+impl CompleteCall {
+    /// A completion of `effect_id`'s `attempt`, at epoch 0.
+    pub fn new(effect_id: impl Into<String>, attempt: u32, completion: Completion) -> Self {
+        Self {
+            effect_id: effect_id.into(),
+            attempt,
+            epoch: 0,
+            completion,
+        }
+    }
+
+    /// Sets the caller's epoch.
+    pub fn epoch(mut self, epoch: u64) -> Self {
+        self.epoch = epoch;
+        self
+    }
+}
+
 /// How a granted effect ended, as reported to Complete.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Completion {

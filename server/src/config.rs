@@ -80,6 +80,10 @@ pub struct Config {
     #[arg(long, env = "FENCE_MAX_EFFECTS_PER_RUN", default_value_t = 1_000_000)]
     pub max_effects_per_run: u64,
 
+    /// Maximum calls in one BeginBatch or CompleteBatch.
+    #[arg(long, env = "FENCE_MAX_BATCH_CALLS", default_value_t = 128)]
+    pub max_batch_calls: usize,
+
     /// RocksDB block cache, in MiB.
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,

@@ -123,6 +123,7 @@ pub fn open_ledger_with(
             max_arguments_bytes: config.max_arguments_bytes,
             max_result_bytes: config.max_result_bytes,
             max_effects_per_run: config.max_effects_per_run,
+            max_batch_calls: config.max_batch_calls.max(1),
             ..Limits::default()
         },
         ..LedgerConfig::default()

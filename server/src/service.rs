@@ -8,6 +8,7 @@ use tonic::{Request, Response, Status};
 
 use crate::auth::tenant_of;
 use crate::convert;
+use crate::ledger::batch::CompleteCmd;
 use crate::ledger::{BeginCmd, Ledger, LedgerError};
 use crate::store::Store;
 
@@ -41,6 +42,16 @@ impl<S: Store> FenceService<S> {
                 Status::internal("the request could not be processed")
             })?;
         Ok(Response::new(out?))
+    }
+}
+
+/// One call's error inside a batch: the status it would have failed with alone.
+fn call_error(e: LedgerError) -> pb::CallError {
+    let status = Status::from(e);
+    pb::CallError {
+        code: status.code() as i32,
+        message: status.message().to_owned(),
+        details: status.details().to_vec(),
     }
 }
 
@@ -164,6 +175,76 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             let begun = l.begin(t, &cmd)?;
             tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
             Ok(convert::begin_response(&begun))
+        })
+        .await
+    }
+
+    async fn begin_batch(
+        &self,
+        req: Request<pb::BeginBatchRequest>,
+    ) -> Result<Response<pb::BeginBatchResponse>, Status> {
+        self.run(req, |l, t, r| {
+            l.check_batch("calls", r.calls.len())?;
+            let converted: Vec<_> = r.calls.into_iter().map(BeginCmd::try_from).collect();
+            let cmds: Vec<BeginCmd> = converted.iter().flatten().cloned().collect();
+            let mut decided = l.begin_many(t, &cmds)?.into_iter();
+            let results = converted
+                .into_iter()
+                .map(|c| {
+                    let result = c.and_then(|_| decided.next().expect("one answer per command"));
+                    pb::BeginResult {
+                        result: Some(match result {
+                            Ok(begun) => {
+                                pb::begin_result::Result::Response(convert::begin_response(&begun))
+                            }
+                            Err(e) => pb::begin_result::Result::Error(call_error(e)),
+                        }),
+                    }
+                })
+                .collect();
+            tracing::debug!(tenant = t, calls = cmds.len(), "begin batch");
+            Ok(pb::BeginBatchResponse { results })
+        })
+        .await
+    }
+
+    async fn complete_batch(
+        &self,
+        req: Request<pb::CompleteBatchRequest>,
+    ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
+        self.run(req, |l, t, r| {
+            l.check_batch("completions", r.completions.len())?;
+            let converted: Vec<_> = r
+                .completions
+                .into_iter()
+                .map(|c| {
+                    Ok(CompleteCmd {
+                        outcome: convert::outcome(c.outcome)?,
+                        effect_id: c.effect_id,
+                        attempt: c.attempt,
+                        epoch: c.epoch,
+                    })
+                })
+                .collect();
+            let cmds: Vec<CompleteCmd> = converted.iter().flatten().cloned().collect();
+            let mut recorded = l.complete_many(t, &cmds)?.into_iter();
+            let results = converted
+                .into_iter()
+                .map(|c: Result<CompleteCmd, LedgerError>| {
+                    let result = c.and_then(|_| recorded.next().expect("one answer per command"));
+                    pb::CompleteResult {
+                        result: Some(match result {
+                            Ok(rec) => {
+                                pb::complete_result::Result::Response(pb::CompleteResponse {
+                                    receipt: Some(convert::receipt(&rec, true)),
+                                })
+                            }
+                            Err(e) => pb::complete_result::Result::Error(call_error(e)),
+                        }),
+                    }
+                })
+                .collect();
+            Ok(pb::CompleteBatchResponse { results })
         })
         .await
     }

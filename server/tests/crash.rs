@@ -1,6 +1,7 @@
 //! Crash safety: the real `fenced` binary under concurrent load is killed with SIGKILL at random
 //! moments, restarted on the same data dir, and every acknowledged grant and completion must
-//! still be there, with no effect ever granted twice.
+//! still be there, with no effect ever granted twice. Half the workers send single Begins and
+//! Completes, the other half batches (BeginBatch, CompleteBatch) on the same runs.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -57,57 +58,132 @@ struct Acks {
     executes: HashMap<String, usize>,
 }
 
+/// The step a worker issues `n`-th in a cycle. It re-issues the previous cycle's steps too:
+/// the crash may have hit them in flight.
+fn step_of(worker: usize, cycle: usize, n: usize) -> String {
+    if n % 3 == 2 && cycle > 0 {
+        format!("w{worker}-c{}-s{}", cycle - 1, n % 7)
+    } else {
+        format!("w{worker}-c{cycle}-s{n}")
+    }
+}
+
+/// The call of a step. Arguments derive from the step alone, so a re-issued step is the same
+/// intent. Workers 2k and 2k+1 share run k.
+fn call_of(worker: usize, step: &str) -> pb::BeginRequest {
+    pb::BeginRequest {
+        run_id: format!("run-{}", worker / 2),
+        tool: "pay".into(),
+        step_key: step.to_owned(),
+        arguments_json: format!(r#"{{"step":"{step}"}}"#),
+        ..Default::default()
+    }
+}
+
+fn completion_of(ex: &pb::Execute, step: &str) -> pb::CompleteRequest {
+    pb::CompleteRequest {
+        effect_id: ex.effect_id.clone(),
+        attempt: ex.attempt,
+        outcome: Some(pb::complete_request::Outcome::Result(
+            format!("done-{step}").into_bytes(),
+        )),
+        ..Default::default()
+    }
+}
+
+/// Notes a decision; returns the grant to complete, if any.
+fn decided(acks: &Mutex<Acks>, step: &str, decision: Option<pb::Decision>) -> Option<pb::Execute> {
+    match decision.and_then(|d| d.outcome) {
+        Some(O::Execute(ex)) => {
+            let mut a = acks.lock().unwrap();
+            *a.executes.entry(step.to_owned()).or_default() += 1;
+            a.grants.insert(
+                step.to_owned(),
+                (ex.effect_id.clone(), ex.downstream_key.clone()),
+            );
+            Some(ex)
+        }
+        Some(O::Replay(_)) | Some(O::InProgress(_)) => None,
+        other => panic!("unexpected decision for {step}: {other:?}"),
+    }
+}
+
+fn completed(acks: &Mutex<Acks>, req: pb::CompleteRequest) {
+    let Some(pb::complete_request::Outcome::Result(result)) = req.outcome else {
+        unreachable!("the test only reports results")
+    };
+    acks.lock()
+        .unwrap()
+        .completions
+        .insert(req.effect_id, result);
+}
+
 async fn worker(url: String, worker: usize, cycle: usize, acks: Arc<Mutex<Acks>>) {
     let Ok(mut c) = FenceClient::connect(url).await else {
         return;
     };
+    if worker % 2 == 1 {
+        return batch_worker(c, worker, cycle, acks).await;
+    }
     for n in 0.. {
-        // Re-issue the previous cycle's steps too: the crash may have hit them in flight.
-        let step = if n % 3 == 2 && cycle > 0 {
-            format!("w{worker}-c{}-s{}", cycle - 1, n % 7)
-        } else {
-            format!("w{worker}-c{cycle}-s{n}")
+        let step = step_of(worker, cycle, n);
+        let Ok(resp) = c.begin(call_of(worker, &step)).await else {
+            return;
         };
-        // Arguments derive from the step alone, so a re-issued step is the same intent.
-        let req = pb::BeginRequest {
-            run_id: format!("run-{worker}"),
-            tool: "pay".into(),
-            step_key: step.clone(),
-            arguments_json: format!(r#"{{"step":"{step}"}}"#),
-            ..Default::default()
-        };
-        let Ok(resp) = c.begin(req).await else { return };
-        match resp.into_inner().decision.and_then(|d| d.outcome) {
-            Some(O::Execute(ex)) => {
-                {
-                    let mut a = acks.lock().unwrap();
-                    *a.executes.entry(step.clone()).or_default() += 1;
-                    a.grants.insert(
-                        step.clone(),
-                        (ex.effect_id.clone(), ex.downstream_key.clone()),
-                    );
-                }
-                let result = format!("done-{step}").into_bytes();
-                let done = c
-                    .complete(pb::CompleteRequest {
-                        effect_id: ex.effect_id.clone(),
-                        attempt: ex.attempt,
-                        outcome: Some(pb::complete_request::Outcome::Result(result.clone())),
-                        ..Default::default()
-                    })
-                    .await;
-                match done {
-                    Ok(_) => {
-                        acks.lock()
-                            .unwrap()
-                            .completions
-                            .insert(ex.effect_id, result);
-                    }
-                    Err(_) => return,
-                }
+        if let Some(ex) = decided(&acks, &step, resp.into_inner().decision) {
+            let done = completion_of(&ex, &step);
+            if c.complete(done.clone()).await.is_err() {
+                return;
             }
-            Some(O::Replay(_)) | Some(O::InProgress(_)) => {}
-            other => panic!("unexpected decision for {step}: {other:?}"),
+            completed(&acks, done);
+        }
+    }
+}
+
+/// Begins three steps per batch and completes what was granted in one more.
+async fn batch_worker(
+    mut c: FenceClient<tonic::transport::Channel>,
+    worker: usize,
+    cycle: usize,
+    acks: Arc<Mutex<Acks>>,
+) {
+    for round in 0.. {
+        let steps: Vec<String> = (0..3)
+            .map(|i| step_of(worker, cycle, round * 3 + i))
+            .collect();
+        let calls = steps.iter().map(|s| call_of(worker, s)).collect();
+        let Ok(resp) = c.begin_batch(pb::BeginBatchRequest { calls }).await else {
+            return;
+        };
+        let results = resp.into_inner().results;
+        assert_eq!(results.len(), steps.len(), "one result per call");
+        let mut done = Vec::new();
+        for (step, result) in steps.iter().zip(results) {
+            match result.result {
+                Some(pb::begin_result::Result::Response(r)) => {
+                    if let Some(ex) = decided(&acks, step, r.decision) {
+                        done.push(completion_of(&ex, step));
+                    }
+                }
+                other => panic!("unexpected batch result for {step}: {other:?}"),
+            }
+        }
+        if done.is_empty() {
+            continue;
+        }
+        let Ok(resp) = c
+            .complete_batch(pb::CompleteBatchRequest {
+                completions: done.clone(),
+            })
+            .await
+        else {
+            return;
+        };
+        for (req, result) in done.into_iter().zip(resp.into_inner().results) {
+            match result.result {
+                Some(pb::complete_result::Result::Response(_)) => completed(&acks, req),
+                other => panic!("unexpected completion result: {other:?}"),
+            }
         }
     }
 }

@@ -46,6 +46,12 @@ struct Common {
     /// gRPC connections the workers share.
     #[arg(long, default_value_t = 8)]
     connections: usize,
+    /// Effects per turn of each worker: 1 = Begin then Complete per effect; K > 1 = K
+    /// parallel tool calls begun together and completed together (Fence: BeginBatch and
+    /// CompleteBatch; Postgres: one transaction of K inserts, one of K updates). Latency is
+    /// per turn, throughput in effects.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
 }
 
 #[derive(Debug, Subcommand)]
@@ -200,7 +206,7 @@ async fn compare(
     let measure = Duration::from_secs(common.seconds);
     let mut fence = Vec::new();
     for &c in &common.concurrency {
-        let m = load::closed_loop(&target, "cmp", c, warmup, measure).await?;
+        let m = load::closed_loop(&target, "cmp", c, common.batch, warmup, measure).await?;
         eprintln!("{}", row("Fence", c, &m));
         fence.push((c, m));
     }
@@ -224,7 +230,7 @@ async fn compare(
         load::register_tool(chans[0].clone()).await?;
         let target = Target::Fence(chans);
         for &c in &common.concurrency {
-            let m = load::closed_loop(&target, "nodelay", c, warmup, measure).await?;
+            let m = load::closed_loop(&target, "nodelay", c, common.batch, warmup, measure).await?;
             eprintln!("{}", row("Fence, in-process, TCP_NODELAY", c, &m));
             nodelay.push((c, m));
         }
@@ -238,13 +244,20 @@ async fn compare(
         let target = Target::Postgres(url.clone());
         let label = format!("cmp{}", std::process::id());
         for &c in &common.concurrency {
-            let m = load::closed_loop(&target, &label, c, warmup, measure).await?;
+            let m = load::closed_loop(&target, &label, c, common.batch, warmup, measure).await?;
             eprintln!("{}", row("Postgres", c, &m));
             pg.push((c, m));
         }
     }
 
-    println!("\n## begin+complete per effect\n");
+    if common.batch > 1 {
+        println!(
+            "\n## parallel tool calls: {} effects per turn (latency per turn)\n",
+            common.batch
+        );
+    } else {
+        println!("\n## begin+complete per effect\n");
+    }
     if let Some(info) = &pg_info {
         println!("Postgres peer: {info}\n");
     }
@@ -370,7 +383,15 @@ async fn scale(common: Common, sizes: Vec<u64>, threads: usize) -> Result<()> {
         }
         let target = Target::Fence(channels(&fenced, common.connections).await?);
         for &c in &common.concurrency {
-            let m = load::closed_loop(&target, &format!("scale{i}"), c, warmup, measure).await?;
+            let m = load::closed_loop(
+                &target,
+                &format!("scale{i}"),
+                c,
+                common.batch,
+                warmup,
+                measure,
+            )
+            .await?;
             let line = format!(
                 "| {size} | {c} | {:.0} | {:.3} | {:.3} | {:.3} | {:.1} |",
                 m.throughput(),

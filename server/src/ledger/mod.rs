@@ -3,13 +3,14 @@
 //! It owns every rule of DESIGN.md: operation classes, effect states and leases, the
 //! replay-or-fork decision ([`begin`]), checkpoints, restores and forks ([`runs`]), outcomes
 //! ([`outcome`]), credentials ([`credentials`]), the tool registry ([`tools`]) and retention
-//! ([`expiry`]). Invariants:
+//! ([`expiry`]), and batches of Begins and Completes sharing one sync ([`batch`]). Invariants:
 //! - every transition is one atomic [`Batch`](crate::store::Batch), durable before it returns;
 //! - every decision touches one run's records (plus the tenant's credentials and tools), and
 //!   decisions on one run are serialised by a striped lock, so there are never two live grants
 //!   for one effect while different runs proceed in parallel;
 //! - a refusal or an invalid request writes nothing.
 
+pub mod batch;
 pub mod begin;
 pub mod credentials;
 pub mod expiry;
@@ -59,6 +60,8 @@ pub struct Limits {
     pub max_schema_paths: usize,
     /// Maximum registered versions of one tool.
     pub max_tool_versions: u32,
+    /// Maximum calls in one BeginBatch or CompleteBatch.
+    pub max_batch_calls: usize,
 }
 
 impl Default for Limits {
@@ -76,6 +79,7 @@ impl Default for Limits {
             max_checkpoints_per_run: 10_000,
             max_schema_paths: 64,
             max_tool_versions: 1000,
+            max_batch_calls: 128,
         }
     }
 }

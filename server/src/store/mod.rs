@@ -89,4 +89,20 @@ pub trait Store: Send + Sync + 'static {
     fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError>;
     /// Applies the batch atomically and durably.
     fn write(&self, batch: Batch) -> Result<(), StoreError>;
+
+    /// Runs `f` with this thread's writes deferred, then makes them durable with one sync.
+    ///
+    /// Inside `f`, each [`write`](Store::write) is applied atomically and visible to every
+    /// later read at once, but not synced; when `f` returns the store syncs once, and only
+    /// if that succeeds does this return `Ok`: everything `f` wrote is then durable. On
+    /// `Err`, any of `f`'s writes may or may not have survived, so nothing computed inside
+    /// `f` may be acknowledged. Other threads never answer from a deferred write that is not
+    /// yet durable (a store that defers syncs a read that may have seen one before returning
+    /// it). This is how a batch of decisions shares one `fdatasync`.
+    ///
+    /// The default runs `f` with ordinary durable writes.
+    fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
+        f();
+        Ok(())
+    }
 }

@@ -3,10 +3,16 @@
 //! Concurrency comes from RocksDB's own write group: concurrent synced writers on different
 //! threads are merged by the group leader into one WAL append and one fsync, so throughput
 //! grows with concurrency while each acknowledgement still means "on disk".
+//!
+//! A batch of decisions ([`Store::deferred`]) writes without syncing and syncs once at the
+//! end. Its writes are visible before they are durable, so every read made while deferred
+//! writes are outstanding syncs the WAL before it returns (see [`Deferral`]): no thread
+//! answers from a write a crash could take back.
 
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
-use std::sync::RwLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
 
 use rocksdb::{
     BlockBasedIndexType, BlockBasedOptions, Cache, ColumnFamilyDescriptor, DB, Direction,
@@ -48,8 +54,52 @@ impl Default for StoreOptions {
 pub struct RocksStore {
     db: RwLock<Option<DB>>,
     needs_reopen: AtomicBool,
+    /// Bumped by every reopen: a deferred section that spans one cannot vouch for its writes.
+    generation: AtomicU64,
     path: PathBuf,
     opts: StoreOptions,
+    deferral: Deferral,
+}
+
+thread_local! {
+    /// True while this thread runs inside [`Store::deferred`].
+    static DEFERRING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Bookkeeping of unsynced (deferred) writes.
+///
+/// Every deferred write takes a ticket and is applied while `gate` is held. A sync reads the
+/// latest ticket under `gate` (so every write up to it is in the WAL), syncs, and records it
+/// as `synced`. A reader that loads `issued` after its read sees the ticket of any deferred
+/// write it could have seen; if that ticket is not yet synced it syncs before returning.
+#[derive(Debug, Default)]
+struct Deferral {
+    gate: Mutex<()>,
+    /// Serialises syncs so that concurrent waiters share one.
+    sync: Mutex<()>,
+    issued: AtomicU64,
+    synced: AtomicU64,
+}
+
+impl Deferral {
+    fn outstanding(&self) -> bool {
+        self.issued.load(Ordering::Acquire) > self.synced.load(Ordering::Acquire)
+    }
+
+    /// The latest ticket whose write is complete.
+    fn complete_up_to(&self) -> u64 {
+        let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        self.issued.load(Ordering::Acquire)
+    }
+}
+
+/// Restores a thread's deferral flag when a deferred section ends, even by a panic.
+struct DeferringGuard(bool);
+
+impl Drop for DeferringGuard {
+    fn drop(&mut self) {
+        DEFERRING.set(self.0);
+    }
 }
 
 impl std::fmt::Debug for RocksStore {
@@ -121,8 +171,10 @@ impl RocksStore {
         Ok(Self {
             db: RwLock::new(Some(db)),
             needs_reopen: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
             path,
             opts: opts.clone(),
+            deferral: Deferral::default(),
         })
     }
 
@@ -152,6 +204,11 @@ impl RocksStore {
         *guard = None;
         let db = open_db(&self.path, &self.opts)?;
         *guard = Some(db);
+        // Recovery flushed what the WAL held into synced tables; a deferred section that was
+        // running fails on the generation check, so nothing it wrote is acknowledged.
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let issued = self.deferral.issued.load(Ordering::Acquire);
+        self.deferral.synced.fetch_max(issued, Ordering::AcqRel);
         self.needs_reopen.store(false, Ordering::Release);
         tracing::warn!(path = %self.path.display(), "ledger store reopened after a write error");
         Ok(())
@@ -160,6 +217,38 @@ impl RocksStore {
     /// Flushes memtables to SST files (used before measuring on-disk size).
     pub fn flush(&self) -> Result<(), StoreError> {
         self.with_db(|db| db.flush_cf(cf(db)).map_err(engine))
+    }
+
+    /// Makes every deferred write completed so far durable (one WAL sync, shared by
+    /// concurrent callers).
+    fn sync_deferred(&self) -> Result<(), StoreError> {
+        let d = &self.deferral;
+        let _sync = d.sync.lock().unwrap_or_else(|e| e.into_inner());
+        let upto = d.complete_up_to();
+        if upto <= d.synced.load(Ordering::Acquire) {
+            // A sync that ran while this one waited covered it.
+            return Ok(());
+        }
+        let result = self.with_db(|db| db.flush_wal(true).map_err(engine));
+        match result {
+            Ok(()) => {
+                d.synced.fetch_max(upto, Ordering::AcqRel);
+                Ok(())
+            }
+            Err(e) => {
+                self.needs_reopen.store(true, Ordering::Release);
+                Err(e)
+            }
+        }
+    }
+
+    /// Called after every read: outside a deferred section, a read that may have seen a
+    /// deferred write does not return before that write is durable.
+    fn settle_read(&self) -> Result<(), StoreError> {
+        if !DEFERRING.get() && self.deferral.outstanding() {
+            self.sync_deferred()?;
+        }
+        Ok(())
     }
 
     /// Compacts the whole key range (after a bulk load, so that what is measured next does
@@ -186,7 +275,9 @@ fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
 
 impl Store for RocksStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        self.with_db(|db| db.get_cf(cf(db), key).map_err(engine))
+        let value = self.with_db(|db| db.get_cf(cf(db), key).map_err(engine))?;
+        self.settle_read()?;
+        Ok(value)
     }
 
     fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError> {
@@ -208,6 +299,10 @@ impl Store for RocksStore {
             }
             Ok(out)
         })
+        .and_then(|out| {
+            self.settle_read()?;
+            Ok(out)
+        })
     }
 
     fn write(&self, batch: Batch) -> Result<(), StoreError> {
@@ -223,14 +318,39 @@ impl Store for RocksStore {
                     Op::Delete(k) => wb.delete_cf(cf, k),
                 }
             }
-            db.write_opt(wb, &write_options(self.opts.sync_writes))
-                .map_err(engine)
+            if self.opts.sync_writes && DEFERRING.get() {
+                let d = &self.deferral;
+                let _gate = d.gate.lock().unwrap_or_else(|e| e.into_inner());
+                // The ticket is taken before the write is visible: see `Deferral`.
+                d.issued.fetch_add(1, Ordering::AcqRel);
+                db.write_opt(wb, &write_options(false)).map_err(engine)
+            } else {
+                db.write_opt(wb, &write_options(self.opts.sync_writes))
+                    .map_err(engine)
+            }
         });
         if result.is_err() {
             // RocksDB may now refuse every write until reopened; do that on the next call.
             self.needs_reopen.store(true, Ordering::Release);
         }
         result
+    }
+
+    fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
+        let generation = self.generation.load(Ordering::Acquire);
+        {
+            let _restore = DeferringGuard(DEFERRING.replace(true));
+            f();
+        }
+        self.sync_deferred()?;
+        if self.generation.load(Ordering::Acquire) != generation
+            || self.needs_reopen.load(Ordering::Acquire)
+        {
+            return Err(StoreError::Engine(
+                "the store failed during a batch; its writes may not all be durable".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -293,5 +413,61 @@ mod tests {
         }
         let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
         assert_eq!(s.get(&[7, 1]).unwrap(), Some(vec![1]));
+    }
+
+    #[test]
+    fn a_read_never_returns_a_deferred_write_before_it_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        let (wrote_tx, wrote_rx) = std::sync::mpsc::channel();
+        let (read_tx, read_rx) = std::sync::mpsc::channel();
+        let s = &s;
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                s.deferred(&mut || {
+                    let mut b = Batch::new();
+                    b.put(vec![9, 1], vec![1]);
+                    s.write(b).unwrap();
+                    // Visible, but not yet synced.
+                    assert!(s.deferral.outstanding());
+                    // Inside the section, reads do not sync.
+                    assert_eq!(s.get(&[9, 1]).unwrap(), Some(vec![1]));
+                    assert!(s.deferral.outstanding());
+                    wrote_tx.send(()).unwrap();
+                    read_rx.recv().unwrap();
+                })
+                .unwrap();
+            });
+            wrote_rx.recv().unwrap();
+            // Another thread sees the write, and only once it is durable.
+            assert_eq!(s.get(&[9, 1]).unwrap(), Some(vec![1]));
+            assert!(!s.deferral.outstanding());
+            read_tx.send(()).unwrap();
+        });
+        // The section's own sync found nothing left to do, and a later write is synced again.
+        assert!(!s.deferral.outstanding());
+        let mut b = Batch::new();
+        b.put(vec![9, 2], vec![2]);
+        s.write(b).unwrap();
+        assert!(!s.deferral.outstanding());
+    }
+
+    #[test]
+    fn a_deferred_section_is_durable_when_it_returns() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+            s.deferred(&mut || {
+                for i in 0..10u8 {
+                    let mut b = Batch::new();
+                    b.put(vec![8, i], vec![i]);
+                    s.write(b).unwrap();
+                }
+            })
+            .unwrap();
+            assert!(!s.deferral.outstanding());
+        }
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        assert_eq!(s.scan(&[8], &[8], 100).unwrap().len(), 10);
     }
 }
