@@ -175,3 +175,21 @@ def test_async_heartbeat_keeps_a_long_call_alive(server: Any, tenant: str, run_i
         return seen
 
     assert asyncio.run(scenario()) == [EffectState.RUNNING]
+
+
+def test_async_batches(server: Any, tenant: str, run_id: str) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(server.addr, tenant=tenant, timeout=20) as client:
+            await client.register_tool("pay", OperationClass.NON_RETRYABLE, volatile_fields=["reference"])
+            run = Run(run_id)
+            calls = [fence.BeginCall(run, "pay", args(amount=n), step_key=f"s{n}") for n in (1, 2, 3)]
+            grants = [r.decision for r in await client.begin_batch(calls)]
+            assert all(isinstance(g, Execute) for g in grants)
+            receipts = await client.complete_batch(
+                [fence.CompleteCall(g.effect_id, g.attempt, result=b"ok") for g in grants]
+            )
+            assert [r.state for r in receipts] == [EffectState.COMPLETED] * 3
+            replays = await client.begin_batch(calls)
+            assert all(isinstance(r.decision, Replay) for r in replays)
+
+    asyncio.run(scenario())

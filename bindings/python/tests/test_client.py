@@ -321,3 +321,44 @@ def test_stale_epoch_on_complete_is_structured(client: fence.Client, run_id: str
         client.complete(ex.effect_id, ex.attempt, 1, result=b"{}")
     assert err.value.reason == ReasonCode.STALE_EPOCH
     assert err.value.recovery == RecoveryAction.REFRESH_EPOCH
+
+
+def test_batch_answers_each_call_as_if_sent_alone(client: fence.Client, run_id: str) -> None:
+    register_transfer(client)
+    run = Run(run_id)
+    results = client.begin_batch(
+        [
+            fence.BeginCall(run, TRANSFER, transfer_args(100), step_key="flight"),
+            fence.BeginCall(run, TRANSFER, transfer_args(200), step_key="hotel"),
+            # The same step with another amount, granted earlier in this batch: a mismatch.
+            fence.BeginCall(run, TRANSFER, transfer_args(999), step_key="flight"),
+            # Malformed arguments: this call's error only, as Begin would have raised it.
+            fence.BeginCall(run, TRANSFER, "{not json", step_key="car"),
+        ]
+    )
+    assert len(results) == 4
+    flight, hotel = execute(results[0]), execute(results[1])
+    assert flight.downstream_key != hotel.downstream_key
+    assert refusal(results[2]).reason == ReasonCode.ARGUMENT_MISMATCH
+    bad = results[3]
+    assert isinstance(bad, FenceRpcError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in bad.field_violations] == ["arguments_json"]
+
+    done = client.complete_batch(
+        [
+            fence.CompleteCall(flight.effect_id, flight.attempt, result=b'{"pnr":"P1"}'),
+            fence.CompleteCall(flight.effect_id, flight.attempt, result=b'{"pnr":"other"}'),
+            fence.CompleteCall(hotel.effect_id, hotel.attempt, failed_before_input="connection refused"),
+        ]
+    )
+    assert isinstance(done[0], fence.Receipt) and done[0].state == EffectState.COMPLETED
+    assert isinstance(done[1], FenceRefused) and done[1].reason == ReasonCode.RESULT_CONFLICT
+    assert isinstance(done[2], fence.Receipt) and done[2].state == EffectState.FAILED_BEFORE_INPUT
+
+    again = client.begin_batch([fence.BeginCall(run, TRANSFER, transfer_args(100), step_key="flight")])
+    assert isinstance(again[0].decision, Replay)
+    assert again[0].decision.receipt.result_json() == {"pnr": "P1"}
+
+    with pytest.raises(FenceRpcError) as empty:
+        client.begin_batch([])
+    assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -8,6 +8,7 @@
 The generated protobuf stubs live in :mod:`fence.v1` (built from ``proto/fence/v1/fence.proto``).
 """
 
+from ._requests import BeginCall, CompleteCall
 from .aio import AsyncClient
 from .client import DEFAULT_TARGET, Client
 from .errors import (
@@ -62,11 +63,13 @@ __all__ = [
     "DEFAULT_TARGET",
     "ERROR_DOMAIN",
     "AsyncClient",
+    "BeginCall",
     "BeginResult",
     "BranchInfo",
     "CheckpointInfo",
     "CheckpointResult",
     "Client",
+    "CompleteCall",
     "Compensation",
     "CredentialInfo",
     "CredentialRegistration",

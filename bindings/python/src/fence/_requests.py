@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Union
 
+from . import errors
 from . import types as t
 from .v1 import fence_pb2 as pb
 
@@ -272,6 +273,90 @@ def complete(
     else:
         request.unknown.detail = unknown or ""
     return Rpc("Complete", request, lambda r: t.Receipt.from_proto(r.receipt))
+
+
+@dataclass
+class BeginCall:
+    """One call of a :meth:`fence.Client.begin_batch`: the arguments of :meth:`fence.Client.begin`."""
+
+    run: RunLike
+    tool: str
+    arguments: JsonArgs
+    step_key: str = ""
+    branch: str | None = None
+    epoch: int | None = None
+    deliberate_repeat: bool = False
+    credentials: Iterable[CredentialArg] = ()
+    lease_ms: int = 0
+    record: bool = False
+    saga_id: str = ""
+    compensation: t.Compensation | None = None
+    compensates_effect_id: str = ""
+
+    def rpc(self) -> Rpc:
+        return begin(
+            self.run,
+            self.tool,
+            self.arguments,
+            step_key=self.step_key,
+            branch=self.branch,
+            epoch=self.epoch,
+            deliberate_repeat=self.deliberate_repeat,
+            credentials=self.credentials,
+            lease_ms=self.lease_ms,
+            record=self.record,
+            saga_id=self.saga_id,
+            compensation=self.compensation,
+            compensates_effect_id=self.compensates_effect_id,
+        )
+
+
+@dataclass
+class CompleteCall:
+    """One completion of a :meth:`fence.Client.complete_batch`: exactly one of ``result``,
+    ``failed_before_input`` and ``unknown``."""
+
+    effect_id: str
+    attempt: int
+    epoch: int = 0
+    result: bytes | None = None
+    failed_before_input: str | None = None
+    unknown: str | None = None
+
+    def rpc(self) -> Rpc:
+        return complete(
+            self.effect_id, self.attempt, self.epoch, self.result, self.failed_before_input, self.unknown
+        )
+
+
+def _batch(method: str, request: Any, field: str, rpcs: list[Rpc]) -> Rpc:
+    """A batch RPC whose answer is one converted response, or the error the call would have
+    raised alone, per call."""
+    getattr(request, field).extend(r.request for r in rpcs)
+
+    def convert(response: Any) -> list[Any]:
+        if len(response.results) != len(rpcs):
+            raise errors.FenceError(
+                f"the server answered {len(response.results)} results for {len(rpcs)} calls"
+            )
+        out: list[Any] = []
+        for rpc, result in zip(rpcs, response.results):
+            if result.WhichOneof("result") == "response":
+                out.append(rpc.convert(result.response))
+            else:
+                e = result.error
+                out.append(errors.error_from_call_error(e.code, e.message, e.details))
+        return out
+
+    return Rpc(method, request, convert)
+
+
+def begin_batch(calls: Iterable[BeginCall]) -> Rpc:
+    return _batch("BeginBatch", pb.BeginBatchRequest(), "calls", [c.rpc() for c in calls])
+
+
+def complete_batch(calls: Iterable[CompleteCall]) -> Rpc:
+    return _batch("CompleteBatch", pb.CompleteBatchRequest(), "completions", [c.rpc() for c in calls])
 
 
 def reconcile(

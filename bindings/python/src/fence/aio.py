@@ -10,7 +10,7 @@ import grpc.aio
 from . import _requests as rq
 from . import types as t
 from .client import DEFAULT_TARGET
-from .errors import error_from_rpc
+from .errors import FenceError, error_from_rpc
 from .v1 import fence_pb2_grpc
 
 __all__ = ["AsyncClient"]
@@ -196,6 +196,18 @@ class AsyncClient:
     ) -> t.Receipt:
         """Records a granted effect's outcome: exactly one of the three keywords."""
         return await self._call(rq.complete(effect_id, attempt, epoch, result, failed_before_input, unknown))
+
+    async def begin_batch(self, calls: Iterable[rq.BeginCall]) -> list[t.BeginResult | FenceError]:
+        """Begins several calls in one request (parallel tool calls): each is decided as
+        :meth:`begin` would decide it alone, in order, and all share one fsync. Returns one
+        item per call: its result, or the error it would have raised alone (not raised). The
+        request itself failing raises, and then any call may or may not have been recorded."""
+        return await self._call(rq.begin_batch(calls))
+
+    async def complete_batch(self, calls: Iterable[rq.CompleteCall]) -> list[t.Receipt | FenceError]:
+        """Records several outcomes in one request, each as :meth:`complete` would alone, with
+        one fsync for all; one receipt or error per call, as in :meth:`begin_batch`."""
+        return await self._call(rq.complete_batch(calls))
 
     async def reconcile(
         self,

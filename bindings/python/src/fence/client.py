@@ -8,7 +8,7 @@ import grpc
 
 from . import _requests as rq
 from . import types as t
-from .errors import error_from_rpc
+from .errors import FenceError, error_from_rpc
 from .v1 import fence_pb2_grpc
 
 __all__ = ["Client", "DEFAULT_TARGET"]
@@ -196,6 +196,18 @@ class Client:
     ) -> t.Receipt:
         """Records a granted effect's outcome: exactly one of the three keywords."""
         return self._call(rq.complete(effect_id, attempt, epoch, result, failed_before_input, unknown))
+
+    def begin_batch(self, calls: Iterable[rq.BeginCall]) -> list[t.BeginResult | FenceError]:
+        """Begins several calls in one request (parallel tool calls): each is decided as
+        :meth:`begin` would decide it alone, in order, and all share one fsync. Returns one
+        item per call: its result, or the error it would have raised alone (not raised). The
+        request itself failing raises, and then any call may or may not have been recorded."""
+        return self._call(rq.begin_batch(calls))
+
+    def complete_batch(self, calls: Iterable[rq.CompleteCall]) -> list[t.Receipt | FenceError]:
+        """Records several outcomes in one request, each as :meth:`complete` would alone, with
+        one fsync for all; one receipt or error per call, as in :meth:`begin_batch`."""
+        return self._call(rq.complete_batch(calls))
 
     def reconcile(
         self,

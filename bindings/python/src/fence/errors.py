@@ -98,6 +98,14 @@ def parse_status_details(trailing_metadata: Any) -> StatusDetails | None:
         return None
     if isinstance(raw, str):
         raw = raw.encode("latin-1")
+    return parse_status_bytes(raw)
+
+
+def parse_status_bytes(raw: bytes) -> StatusDetails | None:
+    """Parses an encoded ``google.rpc.Status`` (a trailer's value, or a batch ``CallError``'s
+    ``details``), if well-formed."""
+    if not raw:
+        return None
     status = status_pb2.Status()
     try:
         status.ParseFromString(raw)
@@ -292,7 +300,18 @@ def error_from_rpc(err: grpc.RpcError) -> FenceError:
     text = (details_fn() if callable(details_fn) else str(err)) or ""
     trailing_fn = getattr(err, "trailing_metadata", None)
     trailing = trailing_fn() if callable(trailing_fn) else None
-    details = parse_status_details(trailing)
+    return error_from_status(code, text, parse_status_details(trailing))
+
+
+def error_from_call_error(code: int, message: str, details: bytes) -> FenceError:
+    """Maps one call's error inside a batch (``fence.v1.CallError``) to the same
+    :class:`FenceError` the call would have raised alone."""
+    status_code = _STATUS_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    return error_from_status(status_code, message, parse_status_bytes(details))
+
+
+def error_from_status(code: grpc.StatusCode, text: str, details: StatusDetails | None) -> FenceError:
+    """Maps a status (code, message, parsed details) to a :class:`FenceError`."""
     violations = details.field_violations if details is not None else ()
     if details is not None and details.error_domain == ERROR_DOMAIN and details.error_reason:
         meta = details.metadata
@@ -309,3 +328,6 @@ def error_from_rpc(err: grpc.RpcError) -> FenceError:
         )
     cls = FenceUnavailable if code in _TRANSPORT_CODES else FenceRpcError
     return cls(code, text, field_violations=violations, details=details)
+
+
+_STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
