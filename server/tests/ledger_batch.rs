@@ -1,5 +1,6 @@
 //! Batches (`Ledger::begin_many`, `Ledger::complete_many`): each call is decided exactly as if
-//! sent alone, in order, and everything is durable when the batch returns.
+//! sent alone, in order (also as a property over random calls cut into random batches), and
+//! everything is durable when the batch returns.
 
 mod common;
 
@@ -8,6 +9,7 @@ use fence_server::ledger::batch::CompleteCmd;
 use fence_server::ledger::outcome::OutcomeKey;
 use fence_server::ledger::{BeginCmd, CredentialUse, Decision, OpClass, Outcome, Reason, State};
 use fence_server::store::{RocksStore, StoreOptions};
+use proptest::prelude::*;
 
 const PAY: &str = "bank.transfer";
 
@@ -228,4 +230,88 @@ fn an_empty_or_oversized_batch_is_refused_and_writes_nothing() {
     // The limit itself is accepted.
     let answers = h.ledger.begin_many(T, &many[..128]).unwrap();
     assert!(answers.iter().all(|a| a.is_ok()));
+}
+
+/// One random call: a tool class, an intent, maybe a step key, a credential, a repeat flag.
+fn random_call() -> impl Strategy<Value = BeginCmd> {
+    (
+        0..2usize,
+        0..3u8,
+        prop::option::of(0..4u8),
+        prop::option::of(0..2u8),
+        prop::bool::weighted(0.1),
+        0..3u8,
+    )
+        .prop_map(|(tool, intent, step, token, deliberate, run)| BeginCmd {
+            step_key: step.map(|s| format!("s{s}")).unwrap_or_default(),
+            credentials: token
+                .map(|t| {
+                    vec![CredentialUse {
+                        token: format!("tok-{t}").into_bytes(),
+                        budget: 2,
+                    }]
+                })
+                .unwrap_or_default(),
+            deliberate_repeat: deliberate,
+            ..call(
+                &format!("run-{run}"),
+                [PAY, "crm.upsert"][tool],
+                &format!(r#"{{"to":"bob","amount":{intent},"ts":"{step:?}"}}"#),
+            )
+        })
+}
+
+fn setup_props() -> Harness {
+    let h = setup();
+    h.tool("crm.upsert", OpClass::Deduplicate, &["ts"]);
+    h
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Any sequence of calls, cut into batches anywhere and completed in batches, leaves the
+    /// same answers and the same ledger, byte for byte, as the calls sent one by one.
+    #[test]
+    fn batches_are_their_calls_sent_one_by_one(
+        calls in prop::collection::vec(random_call(), 1..24),
+        cuts in prop::collection::vec(1..6usize, 1..24),
+    ) {
+        let batched = setup_props();
+        let alone = setup_props();
+        let mut rest = &calls[..];
+        let mut cut = cuts.iter().cycle();
+        while !rest.is_empty() {
+            let n = (*cut.next().unwrap()).min(rest.len());
+            let (batch, tail) = rest.split_at(n);
+            rest = tail;
+            let answers = batched.ledger.begin_many(T, batch).unwrap();
+            let mut done_batched = Vec::new();
+            for (cmd, answer) in batch.iter().zip(answers) {
+                let single = alone.ledger.begin(T, cmd);
+                prop_assert_eq!(format!("{answer:?}"), format!("{single:?}"));
+                if let Ok(b) = answer
+                    && let Decision::Execute { receipt, recorded: true } = b.decision
+                {
+                    done_batched.push(CompleteCmd {
+                        effect_id: receipt.id().to_string(),
+                        attempt: receipt.attempt,
+                        epoch: 0,
+                        outcome: Outcome::Completed(format!("r{}", receipt.seq).into_bytes()),
+                    });
+                }
+            }
+            // Complete half of what was granted, in one batch.
+            done_batched.truncate(done_batched.len().div_ceil(2));
+            if !done_batched.is_empty() {
+                let answers = batched.ledger.complete_many(T, &done_batched).unwrap();
+                for (c, answer) in done_batched.iter().zip(answers) {
+                    let single =
+                        alone.ledger.complete(T, &c.effect_id, c.attempt, c.epoch, c.outcome.clone());
+                    prop_assert_eq!(format!("{answer:?}"), format!("{single:?}"));
+                }
+            }
+        }
+        prop_assert_eq!(batched.snapshot(), alone.snapshot());
+    }
 }
