@@ -183,6 +183,18 @@ trait EffectClient: Send + 'static {
     fn effect(&mut self, worker: u64, n: u64) -> impl Future<Output = Result<()>> + Send;
 }
 
+/// The completion of effect `n`'s grant.
+fn completion(ex: pb::Execute, worker: u64, n: u64) -> pb::CompleteRequest {
+    pb::CompleteRequest {
+        effect_id: ex.effect_id,
+        attempt: ex.attempt,
+        outcome: Some(pb::complete_request::Outcome::Result(
+            format!("tx-{worker}-{n}").into_bytes(),
+        )),
+        ..Default::default()
+    }
+}
+
 struct FenceEffects {
     client: FenceClient<Channel>,
     run_id: String,
@@ -219,14 +231,7 @@ impl FenceEffects {
             let Some(Outcome::Execute(ex)) = resp.decision.and_then(|d| d.outcome) else {
                 bail!("expected a grant for a new effect");
             };
-            completions.push(pb::CompleteRequest {
-                effect_id: ex.effect_id,
-                attempt: ex.attempt,
-                outcome: Some(pb::complete_request::Outcome::Result(
-                    format!("tx-{worker}-{i}").into_bytes(),
-                )),
-                ..Default::default()
-            });
+            completions.push(completion(ex, worker, i));
         }
         let done = self
             .client
@@ -256,16 +261,7 @@ impl EffectClient for FenceEffects {
         let Some(Outcome::Execute(ex)) = begun.decision.and_then(|d| d.outcome) else {
             bail!("expected a grant for a new effect");
         };
-        self.client
-            .complete(pb::CompleteRequest {
-                effect_id: ex.effect_id,
-                attempt: ex.attempt,
-                outcome: Some(pb::complete_request::Outcome::Result(
-                    format!("tx-{worker}-{n}").into_bytes(),
-                )),
-                ..Default::default()
-            })
-            .await?;
+        self.client.complete(completion(ex, worker, n)).await?;
         Ok(())
     }
 }

@@ -135,4 +135,17 @@ async fn an_empty_batch_is_a_structured_error() {
         }
         other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
     }
+    // A batch whose every call is malformed still answers per call.
+    let only_bad = [EffectCall::new(unique("run"), PAY, "{not json")];
+    let results = client.begin_batch(&only_bad).await.unwrap();
+    assert!(
+        matches!(
+            &results[..],
+            [Err(Error::Rpc {
+                code: tonic::Code::InvalidArgument,
+                ..
+            })]
+        ),
+        "{results:?}"
+    );
 }

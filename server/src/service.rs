@@ -55,6 +55,38 @@ fn call_error(e: LedgerError) -> pb::CallError {
     }
 }
 
+/// A batch's answers in its calls' order: the calls that converted run together (moved, in
+/// order), and a call that did not convert keeps its conversion error in its place.
+fn in_order<C, A>(
+    converted: Vec<Result<C, LedgerError>>,
+    run: impl FnOnce(&[C]) -> Result<Vec<Result<A, LedgerError>>, LedgerError>,
+) -> Result<Vec<Result<A, LedgerError>>, LedgerError> {
+    let mut cmds = Vec::with_capacity(converted.len());
+    let mut failed = Vec::with_capacity(converted.len());
+    for c in converted {
+        match c {
+            Ok(cmd) => {
+                cmds.push(cmd);
+                failed.push(None);
+            }
+            Err(e) => failed.push(Some(e)),
+        }
+    }
+    let mut answers = if cmds.is_empty() {
+        Vec::new()
+    } else {
+        run(&cmds)?
+    }
+    .into_iter();
+    Ok(failed
+        .into_iter()
+        .map(|f| match f {
+            Some(e) => Err(e),
+            None => answers.next().expect("one answer per call"),
+        })
+        .collect())
+}
+
 #[tonic::async_trait]
 impl<S: Store> pb::fence_server::Fence for FenceService<S> {
     async fn register_tool(
@@ -185,24 +217,20 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
     ) -> Result<Response<pb::BeginBatchResponse>, Status> {
         self.run(req, |l, t, r| {
             l.check_batch("calls", r.calls.len())?;
-            let converted: Vec<_> = r.calls.into_iter().map(BeginCmd::try_from).collect();
-            let cmds: Vec<BeginCmd> = converted.iter().flatten().cloned().collect();
-            let mut decided = l.begin_many(t, &cmds)?.into_iter();
-            let results = converted
+            let calls = r.calls.into_iter().map(BeginCmd::try_from).collect();
+            let answers = in_order(calls, |cmds| l.begin_many(t, cmds))?;
+            tracing::debug!(tenant = t, calls = answers.len(), "begin batch");
+            let results = answers
                 .into_iter()
-                .map(|c| {
-                    let result = c.and_then(|_| decided.next().expect("one answer per command"));
-                    pb::BeginResult {
-                        result: Some(match result {
-                            Ok(begun) => {
-                                pb::begin_result::Result::Response(convert::begin_response(&begun))
-                            }
-                            Err(e) => pb::begin_result::Result::Error(call_error(e)),
-                        }),
-                    }
+                .map(|answer| pb::BeginResult {
+                    result: Some(match answer {
+                        Ok(begun) => {
+                            pb::begin_result::Result::Response(convert::begin_response(&begun))
+                        }
+                        Err(e) => pb::begin_result::Result::Error(call_error(e)),
+                    }),
                 })
                 .collect();
-            tracing::debug!(tenant = t, calls = cmds.len(), "begin batch");
             Ok(pb::BeginBatchResponse { results })
         })
         .await
@@ -214,7 +242,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
     ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
         self.run(req, |l, t, r| {
             l.check_batch("completions", r.completions.len())?;
-            let converted: Vec<_> = r
+            let completions = r
                 .completions
                 .into_iter()
                 .map(|c| {
@@ -226,22 +254,16 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
                     })
                 })
                 .collect();
-            let cmds: Vec<CompleteCmd> = converted.iter().flatten().cloned().collect();
-            let mut recorded = l.complete_many(t, &cmds)?.into_iter();
-            let results = converted
+            let answers = in_order(completions, |cmds| l.complete_many(t, cmds))?;
+            let results = answers
                 .into_iter()
-                .map(|c: Result<CompleteCmd, LedgerError>| {
-                    let result = c.and_then(|_| recorded.next().expect("one answer per command"));
-                    pb::CompleteResult {
-                        result: Some(match result {
-                            Ok(rec) => {
-                                pb::complete_result::Result::Response(pb::CompleteResponse {
-                                    receipt: Some(convert::receipt(&rec, true)),
-                                })
-                            }
-                            Err(e) => pb::complete_result::Result::Error(call_error(e)),
+                .map(|answer| pb::CompleteResult {
+                    result: Some(match answer {
+                        Ok(rec) => pb::complete_result::Result::Response(pb::CompleteResponse {
+                            receipt: Some(convert::receipt(&rec, true)),
                         }),
-                    }
+                        Err(e) => pb::complete_result::Result::Error(call_error(e)),
+                    }),
                 })
                 .collect();
             Ok(pb::CompleteBatchResponse { results })
