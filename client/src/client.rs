@@ -390,6 +390,10 @@ pub struct EffectCall {
     /// response was lost comes back at once instead of as "in progress". `run_effect` sets a
     /// random one when this is `None`. Never share one between two callers.
     pub request_id: Option<String>,
+    /// The checkpoint this call descends from (the framework's id of the last checkpoint the
+    /// agent's state was at): it places the effect after that checkpoint however late the
+    /// checkpoint is recorded, and calls naming one checkpoint form one causal step.
+    pub parent_checkpoint_id: Option<String>,
 }
 
 impl EffectCall {
@@ -411,6 +415,13 @@ impl EffectCall {
     #[must_use]
     pub fn request_id(mut self, request_id: impl Into<String>) -> Self {
         self.request_id = Some(request_id.into());
+        self
+    }
+
+    /// Sets the checkpoint the call descends from (see [`EffectCall::parent_checkpoint_id`]).
+    #[must_use]
+    pub fn parent_checkpoint(mut self, checkpoint_id: impl Into<String>) -> Self {
+        self.parent_checkpoint_id = Some(checkpoint_id.into());
         self
     }
 
@@ -513,6 +524,7 @@ impl From<&EffectCall> for pb::BeginRequest {
             compensation: c.compensation.clone().map(Into::into),
             compensates_effect_id: c.compensates_effect_id.clone().unwrap_or_default(),
             request_id: c.request_id.clone().unwrap_or_default(),
+            parent_checkpoint_id: c.parent_checkpoint_id.clone().unwrap_or_default(),
         }
     }
 }
@@ -691,11 +703,34 @@ impl FenceClient {
         epoch: u64,
         checkpoint_id: &str,
     ) -> Result<Stored<CheckpointInfo>, Error> {
+        self.checkpoint_after(run_id, branch, epoch, checkpoint_id, "")
+            .await
+    }
+
+    /// Records a checkpoint that follows `parent_checkpoint_id` in the run's history ("" =
+    /// none). Frameworks save checkpoints late, after the next step's tools already ran: every
+    /// effect that names this checkpoint (or one after it) as its parent is after it, however
+    /// late this call arrives.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// client.checkpoint_after("order-1234", "main", 1, "cp-0008", "cp-0007").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn checkpoint_after(
+        &self,
+        run_id: &str,
+        branch: &str,
+        epoch: u64,
+        checkpoint_id: &str,
+        parent_checkpoint_id: &str,
+    ) -> Result<Stored<CheckpointInfo>, Error> {
         let request = pb::CheckpointRequest {
             run_id: run_id.to_owned(),
             branch: branch.to_owned(),
             epoch,
             checkpoint_id: checkpoint_id.to_owned(),
+            parent_checkpoint_id: parent_checkpoint_id.to_owned(),
         };
         let response = self
             .unary(request, |mut s, r| async move { s.checkpoint(r).await })

@@ -265,14 +265,26 @@ impl RunHandle {
     /// # Ok(()) }
     /// ```
     pub async fn checkpoint(&self, checkpoint_id: &str) -> Result<CheckpointInfo, Error> {
+        self.checkpoint_after(checkpoint_id, "").await
+    }
+
+    /// Records a checkpoint that follows `parent_checkpoint_id` in the run's history, so the
+    /// effects naming it are after it however late it is saved (see
+    /// [`FenceClient::checkpoint_after`](crate::FenceClient::checkpoint_after)).
+    pub async fn checkpoint_after(
+        &self,
+        checkpoint_id: &str,
+        parent_checkpoint_id: &str,
+    ) -> Result<CheckpointInfo, Error> {
         let position = self.position();
         let stored = self
             .client
-            .checkpoint(
+            .checkpoint_after(
                 &self.run_id,
                 &position.branch,
                 position.epoch,
                 checkpoint_id,
+                parent_checkpoint_id,
             )
             .await?;
         Ok(stored.value)

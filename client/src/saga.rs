@@ -494,6 +494,7 @@ mod tests {
             compensated_by_effect_id: None,
             arguments_json: String::new(),
             deliberate_repeat: false,
+            parent_checkpoint_id: None,
         }
     }
 

@@ -542,6 +542,8 @@ pub struct Receipt {
     pub arguments_json: String,
     /// True when the call was a deliberate repeat of an identical intent.
     pub deliberate_repeat: bool,
+    /// The checkpoint the call named as its parent, if any.
+    pub parent_checkpoint_id: Option<String>,
 }
 
 impl TryFrom<pb::Receipt> for Receipt {
@@ -581,6 +583,7 @@ impl TryFrom<pb::Receipt> for Receipt {
             compensated_by_effect_id: non_empty(r.compensated_by_effect_id),
             arguments_json: r.arguments_json,
             deliberate_repeat: r.deliberate_repeat,
+            parent_checkpoint_id: non_empty(r.parent_checkpoint_id),
         })
     }
 }

@@ -144,7 +144,7 @@ fuzz_target!(|ops: Vec<Op>| {
                 let Ok(view) = ledger.get_run(T, "run") else { continue };
                 let b = &view.run.branches[usize::from(branch) % view.run.branches.len()];
                 let id = format!("cp{}", checkpoints.len());
-                let cmd = CheckpointCmd { run_id: "run".into(), branch: b.name.clone(), epoch, checkpoint_id: id.clone() };
+                let cmd = CheckpointCmd { run_id: "run".into(), branch: b.name.clone(), epoch, checkpoint_id: id.clone(), ..Default::default() };
                 if ledger.checkpoint(T, &cmd).is_ok() {
                     checkpoints.push(id);
                 }

@@ -1,9 +1,11 @@
 //! Canonical intent: the one form every duplicate check compares.
 //!
 //! A call's arguments are parsed strictly (one JSON value, no duplicate object keys), the
-//! tool's declared volatile fields are removed, declared string fields are normalised, and the
-//! result is written with sorted object keys, no insignificant whitespace and one spelling per
-//! number (`1`, `1.0` and `1e0` are the same). The intent fingerprint is blake3 over the tool
+//! tool's declared volatile fields are removed (a value that held nothing but volatile fields
+//! goes with them), declared string fields are normalised, and the result is written with
+//! sorted object keys, no insignificant whitespace and one spelling per exact decimal value
+//! (`100`, `100.0` and `1e2` are the same; `100` and `100.000000000000001` are not; numbers
+//! never pass through floating point). The intent fingerprint is blake3 over the tool
 //! name and those bytes. Deterministic by construction: no model judges similarity, and
 //! reordering keys can never bypass a check because nothing ever hashes the raw text except the
 //! audit-only request fingerprint.
@@ -107,6 +109,15 @@ impl IntentSchema {
             rule,
         })
     }
+
+    /// Does some volatile path name an array element by index? Then vanished elements are
+    /// blanked rather than removed (see [`strip`]).
+    fn blanks_elements(&self) -> bool {
+        self.volatile.iter().any(|p| {
+            p.0.iter()
+                .any(|s| matches!(s, Segment::Key(k) if k.parse::<usize>().is_ok()))
+        })
+    }
 }
 
 /// A 32-byte blake3 digest.
@@ -127,9 +138,8 @@ pub fn parse_arguments(text: &str) -> Result<Value, CanonicalError> {
 /// The canonical intent bytes of `args` under `schema`.
 pub fn canonical_intent(args: &Value, schema: &IntentSchema) -> Vec<u8> {
     let mut value = args.clone();
-    for path in &schema.volatile {
-        remove_path(&mut value, &path.0);
-    }
+    let volatile: Vec<&[Segment]> = schema.volatile.iter().map(|p| &p.0[..]).collect();
+    strip(&mut value, &volatile, schema.blanks_elements());
     if schema.rule != StringRule::Exact {
         for path in &schema.normalized {
             normalize_path(&mut value, &path.0, schema.rule);
@@ -159,40 +169,74 @@ pub fn request_fingerprint(tool: &str, raw_arguments: &str) -> Fingerprint {
     *h.finalize().as_bytes()
 }
 
-fn remove_path(value: &mut Value, path: &[Segment]) {
-    let Some((head, rest)) = path.split_first() else {
-        return;
-    };
+/// Removes every field the `paths` (all applied at once, so their order does not matter) mark
+/// volatile from `value`. Returns true when `value` held nothing but volatile fields: it had
+/// some, and nothing else is left. Such a value leaves no trace in its parent (a retry that
+/// adds an optional `"meta": {"trace_id": ..}` is the same call): an object member is removed,
+/// and an array element too unless `blank` says the schema addresses array elements by index,
+/// where removing one would shift the next into its place (and canonicalising again would then
+/// remove that too: the fuzzer found this, kept in fuzz/regressions/canonical), so it is
+/// blanked to `null` instead, as an element named by index itself always is.
+fn strip(value: &mut Value, paths: &[&[Segment]], blank: bool) -> bool {
+    if paths.is_empty() {
+        return false;
+    }
     match value {
-        Value::Object(map) => match head {
-            Segment::Key(k) if rest.is_empty() => {
-                map.remove(k);
-            }
-            Segment::Key(k) => {
-                if let Some(child) = map.get_mut(k) {
-                    remove_path(child, rest);
-                }
-            }
-            Segment::Any if rest.is_empty() => map.clear(),
-            Segment::Any => map.values_mut().for_each(|c| remove_path(c, rest)),
-        },
-        Value::Array(items) => match head {
-            Segment::Any if rest.is_empty() => items.clear(),
-            Segment::Any => items.iter_mut().for_each(|c| remove_path(c, rest)),
-            Segment::Key(k) => {
-                if let Some(child) = k.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
+        Value::Object(map) => {
+            let mut removed = false;
+            map.retain(|key, child| {
+                let mut terminal = false;
+                let mut sub: Vec<&[Segment]> = Vec::new();
+                for (head, rest) in paths.iter().filter_map(|p| p.split_first()) {
+                    if matches!(head, Segment::Key(k) if k != key) {
+                        continue;
+                    }
                     if rest.is_empty() {
-                        // Blank the element rather than remove it: removing would shift the
-                        // next one into its place, and canonicalising again would remove that
-                        // too (found by the fuzzer; kept in fuzz/regressions/canonical).
-                        *child = Value::Null;
+                        terminal = true;
                     } else {
-                        remove_path(child, rest);
+                        sub.push(rest);
                     }
                 }
+                let gone = terminal || strip(child, &sub, blank);
+                removed |= gone;
+                !gone
+            });
+            removed && map.is_empty()
+        }
+        Value::Array(items) => {
+            let n = items.len();
+            let mut vanished = 0;
+            let mut kept = Vec::with_capacity(n);
+            for (i, mut child) in std::mem::take(items).into_iter().enumerate() {
+                let (mut any_terminal, mut index_terminal) = (false, false);
+                let mut sub: Vec<&[Segment]> = Vec::new();
+                for (head, rest) in paths.iter().filter_map(|p| p.split_first()) {
+                    let index = match head {
+                        Segment::Any => false,
+                        Segment::Key(k) if k.parse::<usize>() == Ok(i) => true,
+                        Segment::Key(_) => continue,
+                    };
+                    match (rest.is_empty(), index) {
+                        (true, false) => any_terminal = true,
+                        (true, true) => index_terminal = true,
+                        (false, _) => sub.push(rest),
+                    }
+                }
+                if any_terminal {
+                    vanished += 1;
+                } else if index_terminal || strip(&mut child, &sub, blank) {
+                    vanished += 1;
+                    if index_terminal || blank {
+                        kept.push(Value::Null);
+                    }
+                } else {
+                    kept.push(child);
+                }
             }
-        },
-        _ => {}
+            *items = kept;
+            vanished > 0 && vanished == n
+        }
+        _ => false,
     }
 }
 
@@ -267,23 +311,105 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     }
 }
 
-/// Largest integer an f64 holds exactly (2^53).
-const F64_EXACT_INT: f64 = 9_007_199_254_740_992.0;
-
 fn write_number(n: &Number, out: &mut Vec<u8>) {
-    if let Some(u) = n.as_u64() {
-        out.extend_from_slice(u.to_string().as_bytes());
-    } else if let Some(i) = n.as_i64() {
-        out.extend_from_slice(i.to_string().as_bytes());
-    } else if let Some(f) = n.as_f64() {
-        // An integral float spells like the integer (`1.0` == `1`, `-0.0` == `0`); any other
-        // float uses the shortest round-trip form.
-        if f.fract() == 0.0 && f.abs() < F64_EXACT_INT {
-            out.extend_from_slice((f as i64).to_string().as_bytes());
-        } else {
-            out.extend_from_slice(n.to_string().as_bytes());
-        }
+    // Parsed numbers are canonical already (see `StrictVisitor`); anything else is made so.
+    let text = n.to_string();
+    match canonical_number(&text) {
+        Ok(canonical) => out.extend_from_slice(canonical.as_bytes()),
+        Err(_) => out.extend_from_slice(text.as_bytes()),
     }
+}
+
+/// Integers up to this many digits are written out in full; larger ones in exponent form.
+const MAX_PLAIN_INTEGER_DIGITS: i64 = 64;
+/// Fractions with up to this many zeros after the point are written out in full.
+const MAX_PLAIN_LEADING_ZEROS: i64 = 16;
+/// Exponents beyond this magnitude are refused rather than compared approximately.
+const MAX_EXPONENT: i64 = 1_000_000_000_000_000;
+
+/// The one spelling of a JSON number's exact decimal value: `100`, `100.0`, `1e2` and
+/// `1.00e+2` all give `100`; `0.5`, `5e-1` give `0.5`; a huge or tiny one `1.5e300`. No
+/// floating point is involved, so integers past 2^64 and decimals of any precision stay
+/// distinct. `text` must be JSON number syntax.
+pub fn canonical_number(text: &str) -> Result<String, CanonicalError> {
+    let invalid = |why: &str| CanonicalError::InvalidJson(format!("number {text:?} {why}"));
+    let (negative, body) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match body.find(['e', 'E']) {
+        Some(i) => (&body[..i], &body[i + 1..]),
+        None => (body, "0"),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let exp_digits = exponent.trim_start_matches(['+', '-']);
+    let well_formed = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !well_formed(int) || !(frac.is_empty() || well_formed(frac)) || !well_formed(exp_digits) {
+        return Err(invalid("is not a JSON number"));
+    }
+    let exp_digits = exp_digits.trim_start_matches('0');
+    if exp_digits.len() > 16 {
+        return Err(invalid("has an exponent out of range"));
+    }
+    let mut exp: i64 = exp_digits.parse().unwrap_or(0);
+    if exponent.starts_with('-') {
+        exp = -exp;
+    }
+    if exp.abs() > MAX_EXPONENT {
+        return Err(invalid("has an exponent out of range"));
+    }
+    // value = digits * 10^exp, with digits free of leading and trailing zeros.
+    let all: String = [int, frac].concat();
+    exp -= frac.len() as i64;
+    let digits = all.trim_start_matches('0');
+    let trimmed = digits.trim_end_matches('0');
+    exp += (digits.len() - trimmed.len()) as i64;
+    let digits = trimmed;
+    if digits.is_empty() {
+        return Ok("0".to_owned());
+    }
+    let mut out = String::with_capacity(digits.len() + 8);
+    if negative {
+        out.push('-');
+    }
+    let n = digits.len() as i64;
+    // Digits before the decimal point in plain notation.
+    let point = n + exp;
+    if exp >= 0 && point <= MAX_PLAIN_INTEGER_DIGITS {
+        out.push_str(digits);
+        out.extend(std::iter::repeat_n('0', exp as usize));
+    } else if exp < 0 && point > 0 {
+        let (whole, fraction) = digits.split_at(point as usize);
+        out.push_str(whole);
+        out.push('.');
+        out.push_str(fraction);
+    } else if exp < 0 && -point < MAX_PLAIN_LEADING_ZEROS {
+        out.push_str("0.");
+        out.extend(std::iter::repeat_n('0', (-point) as usize));
+        out.push_str(digits);
+    } else {
+        out.push_str(&digits[..1]);
+        if n > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        out.push('e');
+        out.push_str(&(point - 1).to_string());
+    }
+    Ok(out)
+}
+
+/// Marks a number inside `visit_map` when serde_json keeps numbers as text
+/// (`arbitrary_precision`); the same name serde_json's own `Value` recognises.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
+/// A parsed number in its canonical spelling.
+fn number_value<E: de::Error>(text: &str) -> Result<Value, E> {
+    let canonical = canonical_number(text).map_err(|e| E::custom(e.to_string()))?;
+    canonical
+        .parse::<Number>()
+        .map(Value::Number)
+        .map_err(|e| E::custom(format_args!("number {text:?}: {e}")))
 }
 
 /// A JSON value whose objects may not repeat a key.
@@ -312,10 +438,12 @@ impl<'de> Visitor<'de> for StrictVisitor {
     fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
         Ok(Value::Number(v.into()))
     }
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
-        Number::from_f64(v)
-            .map(Value::Number)
-            .ok_or_else(|| E::custom("non-finite number"))
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Value, E> {
+        // serde_json is built with `arbitrary_precision`: numbers arrive as text (see
+        // `visit_map`), never through floating point, so this would be a build mistake.
+        Err(E::custom(
+            "numbers must be compared exactly; floating point is not accepted",
+        ))
     }
     fn visit_str<E>(self, v: &str) -> Result<Value, E> {
         Ok(Value::String(v.to_owned()))
@@ -339,6 +467,10 @@ impl<'de> Visitor<'de> for StrictVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut access: A) -> Result<Value, A::Error> {
         let mut map = Map::new();
         while let Some(key) = access.next_key::<String>()? {
+            if map.is_empty() && key == NUMBER_TOKEN {
+                let text: String = access.next_value()?;
+                return number_value(&text);
+            }
             if map.contains_key(&key) {
                 return Err(de::Error::custom(format_args!("duplicate key {key:?}")));
             }
@@ -389,6 +521,100 @@ mod tests {
         assert_eq!(canon(r#"{"n":-0.0}"#, &s), r#"{"n":0}"#);
         assert_eq!(canon(r#"{"n":1.5}"#, &s), r#"{"n":1.5}"#);
         assert_ne!(canon(r#"{"n":1.5}"#, &s), canon(r#"{"n":1.50001}"#, &s));
+    }
+
+    #[test]
+    fn numbers_are_compared_exactly() {
+        let s = schema(&[]);
+        let c = |n: &str| canon(&format!(r#"{{"n":{n}}}"#), &s);
+        // One number, many spellings.
+        for spelling in [
+            "100", "100.0", "1e2", "1.00e+2", "1E2", "10000e-2", "0.001e5",
+        ] {
+            assert_eq!(c(spelling), r#"{"n":100}"#, "{spelling}");
+        }
+        assert_eq!(c("9007199254740992"), c("9007199254740992.0"));
+        // Two numbers that floating point would confuse.
+        assert_ne!(c("100"), c("100.000000000000001"));
+        assert_ne!(c("18446744073709551616"), c("18446744073709551617"));
+        assert_ne!(c("9007199254740993"), c("9007199254740992"));
+        assert_ne!(c("0.1"), c("0.1000000000000000055511151231257827"));
+        assert_eq!(c("18446744073709551617"), r#"{"n":18446744073709551617}"#);
+        assert_eq!(c("-0.0e7"), r#"{"n":0}"#);
+        assert_eq!(c("-12.5000"), r#"{"n":-12.5}"#);
+        assert_eq!(c("0.000125"), r#"{"n":0.000125}"#);
+        assert_eq!(c("1.5e300"), r#"{"n":1.5e300}"#);
+        assert_eq!(c("15e299"), c("1.5e300"));
+        assert_eq!(c("-25e-40"), r#"{"n":-2.5e-39}"#);
+        // Huge exponents are refused, not rounded.
+        let huge = parse_arguments(r#"{"n":1e99999999999999999999}"#).unwrap_err();
+        assert!(huge.to_string().contains("out of range"), "{huge}");
+    }
+
+    #[test]
+    fn canonical_numbers_are_one_spelling_per_value() {
+        for (text, want) in [
+            ("0", "0"),
+            ("-0", "0"),
+            ("7", "7"),
+            ("7.10", "7.1"),
+            ("123e-2", "1.23"),
+            ("1e64", "1e64"),
+            ("1e63", &format!("1{}", "0".repeat(63))),
+            ("1e-16", "0.0000000000000001"),
+            ("1e-17", "1e-17"),
+            ("1e-15", "0.000000000000001"),
+        ] {
+            assert_eq!(canonical_number(text).unwrap(), want, "{text}");
+            // The canonical spelling is a fixed point.
+            assert_eq!(canonical_number(want).unwrap(), want, "{want}");
+        }
+    }
+
+    #[test]
+    fn a_value_that_held_only_volatile_fields_leaves_no_trace() {
+        let s = schema(&["meta.trace_id", "items.*.nonce", "reference"]);
+        let base = canon(r#"{"amount":5,"items":[{"sku":"k"}]}"#, &s);
+        assert_eq!(
+            canon(
+                r#"{"amount":5,"meta":{"trace_id":"t1"},"items":[{"sku":"k"}]}"#,
+                &s
+            ),
+            base
+        );
+        assert_eq!(
+            canon(
+                r#"{"amount":5,"items":[{"nonce":1},{"sku":"k","nonce":2}]}"#,
+                &s
+            ),
+            base
+        );
+        // Emptied all the way up: the array held only volatile elements.
+        assert_eq!(
+            canon(r#"{"amount":5,"items":[{"nonce":1}]}"#, &s),
+            r#"{"amount":5}"#
+        );
+        // What the caller sent empty is kept: it is not the absence of a field.
+        assert_ne!(
+            canon(r#"{"amount":5,"meta":{}}"#, &s),
+            canon(r#"{"amount":5}"#, &s)
+        );
+        // A non-volatile sibling keeps its object.
+        assert_eq!(
+            canon(r#"{"amount":5,"meta":{"trace_id":"t","source":"x"}}"#, &s),
+            r#"{"amount":5,"meta":{"source":"x"}}"#
+        );
+    }
+
+    #[test]
+    fn volatile_paths_apply_whatever_their_order() {
+        let a = IntentSchema::new(&["*.x".into(), "1".into()], &[], StringRule::Exact).unwrap();
+        let b = IntentSchema::new(&["1".into(), "*.x".into()], &[], StringRule::Exact).unwrap();
+        for text in [r#"[{"x":1},{"y":2},{"z":3}]"#, r#"[{"y":1},{"x":2}]"#] {
+            let once = canon(text, &a);
+            assert_eq!(once, canon(text, &b));
+            assert_eq!(canon(&once, &a), once, "not a fixed point: {text}");
+        }
     }
 
     #[test]
@@ -519,6 +745,45 @@ mod tests {
             prop_assert_eq!(&c1, &c2);
             let again = canonical_intent(&parse_arguments(std::str::from_utf8(&c1).unwrap()).unwrap(), &s);
             prop_assert_eq!(c1, again);
+        }
+
+        /// Under volatile paths of every kind (keys, wildcards, indexes), the canonical form
+        /// is a fixed point and ignores spelling.
+        #[test]
+        fn stripping_volatile_fields_is_a_fixed_point(v in json_value(), with_index in any::<bool>()) {
+            let mut paths = vec!["a", "b.*", "*.c", "d.*.e"];
+            if with_index {
+                paths.push("0");
+                paths.push("*.1");
+            }
+            let s = schema(&paths);
+            let pretty = serde_json::to_string_pretty(&v).unwrap();
+            let c1 = canonical_intent(&parse_arguments(&serde_json::to_string(&v).unwrap()).unwrap(), &s);
+            prop_assert_eq!(&c1, &canonical_intent(&parse_arguments(&pretty).unwrap(), &s));
+            let again = canonical_intent(&parse_arguments(std::str::from_utf8(&c1).unwrap()).unwrap(), &s);
+            prop_assert_eq!(c1, again);
+        }
+
+        /// Any spelling of a decimal value canonicalises like its plain spelling.
+        #[test]
+        fn number_spellings_agree(mantissa in "-?[0-9]{1,30}", shift in -40i64..40) {
+            // mantissa * 10^shift, spelled as "<mantissa>e<shift>" and as plain decimal.
+            let (neg, digits) = match mantissa.strip_prefix('-') {
+                Some(d) => (true, d.to_owned()),
+                None => (false, mantissa.clone()),
+            };
+            let plain = if shift >= 0 {
+                format!("{digits}{}", "0".repeat(shift as usize))
+            } else {
+                let pad = format!("{}{digits}", "0".repeat(-shift as usize + 1));
+                let (w, f) = pad.split_at(pad.len() - (-shift) as usize);
+                format!("{w}.{f}")
+            };
+            let sign = if neg { "-" } else { "" };
+            prop_assert_eq!(
+                canonical_number(&format!("{sign}{digits}e{shift}")).unwrap(),
+                canonical_number(&format!("{sign}{plain}")).unwrap()
+            );
         }
     }
 }

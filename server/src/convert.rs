@@ -69,6 +69,7 @@ pub fn receipt(rec: &EffectRecord, recorded: bool) -> pb::Receipt {
         compensated_by_effect_id: id_of(rec.compensated_by_seq),
         arguments_json: rec.arguments_json.clone(),
         deliberate_repeat: rec.deliberate_repeat,
+        parent_checkpoint_id: rec.parent_checkpoint_id.clone(),
     }
 }
 
@@ -148,6 +149,7 @@ impl TryFrom<pb::BeginRequest> for BeginCmd {
             compensation: r.compensation.map(|c| (c.tool, c.arguments_json)),
             compensates_effect_id: r.compensates_effect_id,
             request_id: r.request_id,
+            parent_checkpoint_id: r.parent_checkpoint_id,
         })
     }
 }
@@ -289,6 +291,7 @@ pub fn checkpoint_cmd(r: pb::CheckpointRequest) -> CheckpointCmd {
         branch: r.branch,
         epoch: r.epoch,
         checkpoint_id: r.checkpoint_id,
+        parent_checkpoint_id: r.parent_checkpoint_id,
     }
 }
 

@@ -110,13 +110,9 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
     ) -> Result<Response<pb::GetToolResponse>, Status> {
         self.run(req, |l, t, r| {
             crate::ledger::check_id("name", &r.name, l.config().limits.max_id_bytes)?;
-            let tool = if r.version == 0 {
-                l.current_tool(t, &r.name)?
-            } else {
-                l.tool_version(t, &r.name, r.version)?
-            };
+            let tool = l.registered_tool(t, &r.name, r.version)?;
             Ok(pb::GetToolResponse {
-                tool: Some(convert::tool_spec(&tool.record)),
+                tool: Some(convert::tool_spec(&tool)),
             })
         })
         .await

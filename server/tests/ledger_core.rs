@@ -92,11 +92,12 @@ fn requires_effect_check_tools_also_refuse_unkeyed_duplicates() {
         OpClass::RequiresEffectCheck,
         &["request_id"],
     );
-    executed(h.begin(&call(
+    let rec = executed(h.begin(&call(
         "r1",
         "cloud.create",
         r#"{"name":"vm1","request_id":"a"}"#,
     )));
+    complete(&h, &rec, "vm1-id");
     refused(
         h.begin(&call(
             "r1",
@@ -113,6 +114,7 @@ fn an_unregistered_tool_is_non_retryable() {
     let rec = executed(h.begin(&call("r1", "mystery", r#"{"x":1}"#)));
     assert_eq!(rec.class(), OpClass::NonRetryable);
     assert_eq!(rec.tool_version, 0);
+    complete(&h, &rec, "done");
     refused(
         h.begin(&call("r1", "mystery", r#"{ "x" : 1.0 }"#)),
         Reason::DuplicateIntent,
@@ -907,6 +909,7 @@ fn count_limits_on_branches_and_checkpoints_refuse_without_writing() {
         branch: "".into(),
         epoch: 0,
         checkpoint_id: id.into(),
+        ..Default::default()
     };
     ledger.checkpoint(T, &cp("c1")).unwrap();
     let before = ledger.store().scan(&[], &[], usize::MAX).unwrap();

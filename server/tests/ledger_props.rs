@@ -288,7 +288,7 @@ proptest! {
                 HOp::Checkpoint => {
                     let name = format!("cp{}", checkpoints.len());
                     let b = run.branches.len() - 1;
-                    h.ledger.checkpoint(T, &CheckpointCmd { run_id: "run".into(), branch: run.branches[b].name.clone(), epoch, checkpoint_id: name.clone() }).unwrap();
+                    h.ledger.checkpoint(T, &CheckpointCmd { run_id: "run".into(), branch: run.branches[b].name.clone(), epoch, checkpoint_id: name.clone(), ..Default::default() }).unwrap();
                     checkpoints.push(name);
                 }
                 HOp::Restore { cp } => {

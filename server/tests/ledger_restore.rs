@@ -31,6 +31,7 @@ fn checkpoint(h: &Harness, run: &str, branch: &str, epoch: u64, id: &str) {
                 branch: branch.into(),
                 epoch,
                 checkpoint_id: id.into(),
+                ..Default::default()
             },
         )
         .unwrap();
@@ -305,7 +306,7 @@ fn safe_retry_calls_pass_a_pending_tape() {
     replayed(h.begin(&on(2, "", call("run", TRANSFER, &transfer("bob", 1, "b")))));
 }
 
-/// A zombie from before the restore can do nothing.
+/// A zombie from before the restore can start nothing.
 #[test]
 fn stale_epochs_are_refused_and_change_nothing() {
     let h = setup();
@@ -324,18 +325,20 @@ fn stale_epochs_are_refused_and_change_nothing() {
         );
         assert_eq!(r.current_epoch, 2);
         assert_eq!(r.recovery, Recovery::RefreshEpoch);
+        // Reports naming no granted attempt are new work too (the granted attempt's own
+        // reports are facts and are recorded: see ledger_framework_fit.rs).
         refused_err(
             h.ledger.complete(
                 T,
                 &rec.id().to_string(),
-                1,
+                0,
                 epoch,
                 fence_server::ledger::Outcome::Completed(b"x".to_vec()),
             ),
             Reason::StaleEpoch,
         );
         refused_err(
-            h.ledger.heartbeat(T, &rec.id().to_string(), 1, epoch, 0),
+            h.ledger.heartbeat(T, &rec.id().to_string(), 0, epoch, 0),
             Reason::StaleEpoch,
         );
         refused_err(
@@ -358,6 +361,7 @@ fn stale_epochs_are_refused_and_change_nothing() {
                     branch: "".into(),
                     epoch,
                     checkpoint_id: "z".into(),
+                    ..Default::default()
                 },
             ),
             Reason::StaleEpoch,

@@ -51,6 +51,7 @@ async fn checkpoint(c: &mut Client, epoch: u64, branch: &str, id: &str) {
         branch: branch.into(),
         epoch,
         checkpoint_id: id.into(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -422,7 +423,7 @@ async fn an_approved_tool_call_repeated_after_the_prompt_replays() {
 }
 
 #[tokio::test]
-async fn a_zombie_with_a_stale_epoch_can_do_nothing() {
+async fn a_zombie_with_a_stale_epoch_can_start_nothing() {
     let srv = TestServer::start().await;
     let mut c = setup(&srv).await;
     checkpoint(&mut c, 1, "", "cp").await;
@@ -451,10 +452,11 @@ async fn a_zombie_with_a_stale_epoch_can_do_nothing() {
     );
     assert_eq!(r.reason, pb::ReasonCode::StaleEpoch as i32);
     assert_eq!(r.current_epoch, 2);
+    // A report naming no granted attempt is new work: fenced off.
     let s = c
         .complete(pb::CompleteRequest {
             effect_id: ex.effect_id.clone(),
-            attempt: 1,
+            attempt: 0,
             epoch: 1,
             outcome: Some(pb::complete_request::Outcome::Result(b"zombie".to_vec())),
         })
@@ -469,5 +471,25 @@ async fn a_zombie_with_a_stale_epoch_can_do_nothing() {
         .unwrap()
         .into_inner();
     assert_eq!(before, after);
+    assert_eq!(effect_count(&mut c).await, 1);
+    // What it was granted before the restore it may still finish: the result is a fact, and
+    // the restored agent's call then replays it instead of running the transfer again.
+    let done = c
+        .complete(pb::CompleteRequest {
+            effect_id: ex.effect_id.clone(),
+            attempt: ex.attempt,
+            epoch: 1,
+            outcome: Some(pb::complete_request::Outcome::Result(b"tx-bob".to_vec())),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(done.receipt.unwrap().result, b"tx-bob");
+    let O::Replay(replay) =
+        call(&mut c, 2, "", "bank.transfer", &transfer("bob", 1, 7), None).await
+    else {
+        panic!("the restored agent's re-issued call must replay the zombie's result")
+    };
+    assert_eq!(replay.receipt.unwrap().result, b"tx-bob");
     assert_eq!(effect_count(&mut c).await, 1);
 }

@@ -751,6 +751,7 @@ impl Protection for FenceArm<'_> {
             branch: branch.to_owned(),
             epoch: run.epoch,
             checkpoint_id: name.to_owned(),
+            ..Default::default()
         };
         self.rpc(|mut c| {
             let req = req.clone();

@@ -239,20 +239,38 @@ def test_in_progress_waits_for_the_other_attempt(server: Any, tenant: str, run_i
     client.close()
 
 
-def test_lost_begin_answer_is_queried_not_blindly_rebegun(server: Any, tenant: str, run_id: str, bank: Bank) -> None:
+def test_lost_begin_answer_is_queried_then_the_grant_comes_back(server: Any, tenant: str, run_id: str, bank: Bank) -> None:
     # The Begin lands (the server records and grants it) but its answer is lost.
     client = FaultyClient(server.addr, tenant=tenant, faults={"begin": ["after"]})
     transfer = make_transfer(client, bank)
     run = Run(run_id)
-    # The recorded grant is not this process's to use (it cannot know it was its own): the
-    # lease lapses and the effect's outcome is unknown, whether the re-Begin saw it still in
-    # progress (then FenceEffectUnknown after polling) or already lapsed (RECONCILE_REQUIRED).
+    # The re-sent Begin carries the same request id: the server hands this call its own grant
+    # back (not IN_PROGRESS until the lease lapses), so the transfer runs exactly once.
+    result = transfer(**call_args(), fence_run=run, fence_step="pay", fence_lease_ms=500)
+    assert result["tx"] == "T1"
+    # It asked what happened before asking again.
+    assert client.calls[:3] == ["begin", "query_outcome", "begin"]
+    assert len(bank.transfers) == 1
+    outcome = client.query_outcome(run=run, step_key=f"{run_id}:pay")
+    assert outcome.state == EffectState.COMPLETED
+    assert outcome.receipt is not None and outcome.receipt.attempt == 1
+    client.close()
+
+
+def test_a_grant_lost_by_another_process_is_never_run_blindly(server: Any, tenant: str, run_id: str, bank: Bank) -> None:
+    # A process was granted the step and died before answering: its grant is not this
+    # process's to use (another request id), so the effect ends unknown, never run twice.
+    client = FaultyClient(server.addr, tenant=tenant)
+    transfer = make_transfer(client, bank)
+    run = Run(run_id)
+    transfer.fence.definition.registered = False
+    client.register_tool("bank.transfer", OperationClass.NON_RETRYABLE, volatile_fields=["reference", "timestamp"])
+    lost = client.begin(run, "bank.transfer", call_args(), step_key=f"{run_id}:pay", lease_ms=500, request_id="dead-process")
+    assert isinstance(lost.decision, fence.Execute)
     with pytest.raises((FenceEffectUnknown, FenceRefused)) as err:
-        transfer(**call_args(), fence_run=run, fence_step="pay", fence_lease_ms=500)
+        transfer(**call_args(), fence_run=run, fence_step="pay")
     assert err.value.recovery == RecoveryAction.RECONCILE
     assert err.value.receipt is not None
-    # It asked what happened before asking again, and never ran the transfer.
-    assert client.calls[:3] == ["begin", "query_outcome", "begin"]
     assert bank.transfers == []
     assert client.query_outcome(run=run, step_key=f"{run_id}:pay").state == EffectState.EFFECT_UNKNOWN
     client.close()

@@ -22,8 +22,15 @@
 use serde_json::Value;
 
 use super::records::{
-    Adoption, BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, RunRecord,
+    Adoption, BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, OpenStep,
+    RunRecord,
 };
+
+/// How many named but not yet recorded checkpoints a branch remembers.
+const MAX_OPEN_STEPS: usize = 64;
+/// How many other causal steps an effect remembers answering (see
+/// `EffectRecord::answered_steps`).
+const MAX_ANSWERED_STEPS: usize = 16;
 use super::tools::Tool;
 use super::{
     BeginCmd, Decision, EffectId, Ledger, LedgerError, MAIN_BRANCH, OpClass, Reason, Recovery,
@@ -79,6 +86,16 @@ impl Call<'_> {
 
     fn branch(&self) -> &BranchRecord {
         &self.run.branches[self.branch as usize]
+    }
+
+    /// Is `rec` (held by branch `b`'s index at `position`) in this call's causal step? When
+    /// both name the checkpoint they descend from, the same one; otherwise both on this
+    /// branch with no checkpoint between them.
+    fn same_causal_step(&self, rec: &EffectRecord, b: u32, position: u64) -> bool {
+        match (&self.cmd.parent_checkpoint_id, &rec.parent_checkpoint_id) {
+            (p, q) if !p.is_empty() && !q.is_empty() => p == q || rec.answered_steps.contains(p),
+            _ => b == self.branch && position >= self.branch().last_checkpoint_position,
+        }
     }
 
     /// Is the effect visible on this call's lineage?
@@ -222,10 +239,7 @@ impl<S: Store> Ledger<S> {
                 Ok(Refusal::new(
                     Reason::ArgumentMismatch,
                     Recovery::FixArgument,
-                    format!(
-                        "Step {:?} was already recorded with different arguments; use the same arguments to get its result, or a new step key for a new step.",
-                        cmd.step_key
-                    ),
+                    crate::ledger::messages::ARGUMENT_MISMATCH,
                 )
                 .with_receipt(view)
                 .into())
@@ -255,7 +269,7 @@ impl<S: Store> Ledger<S> {
                         Ok(Refusal::new(
                             Reason::DuplicateIntent,
                             Recovery::ConfirmRepeat,
-                            "This exact call was already made in this run; its receipt is attached. Resend with deliberate_repeat only if a second identical effect is intended.",
+                            crate::ledger::messages::DUPLICATE_INTENT,
                         )
                         .with_receipt(view)
                         .into())
@@ -264,7 +278,7 @@ impl<S: Store> Ledger<S> {
                         let mut r = Refusal::new(
                             Reason::ForkRequired,
                             Recovery::Fork,
-                            "After the restore this call differs from the recorded effect due here; fork a new branch to make it a new effect.",
+                            crate::ledger::messages::FORK_REQUIRED,
                         )
                         .with_receipt(rec.view(now));
                         r.checkpoint_id = call.branch().restored_from_checkpoint.clone();
@@ -294,6 +308,9 @@ impl<S: Store> Ledger<S> {
         }
         if !cmd.request_id.is_empty() {
             self.check_id("request_id", &cmd.request_id)?;
+        }
+        if !cmd.parent_checkpoint_id.is_empty() {
+            self.check_id("parent_checkpoint_id", &cmd.parent_checkpoint_id)?;
         }
         self.check_len(
             "arguments_json",
@@ -370,47 +387,121 @@ impl<S: Store> Ledger<S> {
                 occurrence: count + 1,
             });
         }
-        let tape_pending = !call.branch().tape_seqs.is_empty();
-        if tape_pending && let Some(m) = self.match_tape(call)? {
-            return Ok(m);
-        }
-        let m = self.match_lineage(call)?;
-        if tape_pending && matches!(m, Match::New { .. }) {
-            // A recorded effect is due and this call is not it: fail closed.
-            let due = self.load_seq(&call.rk, call.branch().tape_seqs[0])?;
-            return Ok(Match::Divergent(due));
-        }
-        Ok(m)
-    }
-
-    /// Matches against the pending tape; `None` when the call is not on it.
-    fn match_tape(&self, call: &Call<'_>) -> Result<Option<Match>> {
         let tape = &call.branch().tape_seqs;
         // Tape entries are in this branch's log, so its own indexes find them (adopted ones too).
         let here = [call.branch];
+        // 1. The call's own step: on the tape, else on the lineage.
         if !call.cmd.step_key.is_empty() {
-            return Ok(match self.step_entry_among(call, &here, tape)? {
-                Some(seq) => {
-                    let rec = self.load_seq(&call.rk, seq)?;
-                    Some(if call.same_intent(&rec) {
-                        Match::Existing {
-                            rec,
-                            via: Via::Tape,
-                        }
-                    } else {
-                        Match::Divergent(rec)
-                    })
-                }
-                None => None,
-            });
+            if !tape.is_empty()
+                && let Some(seq) = self.step_entry_among(call, &here, tape)?
+            {
+                let rec = self.load_seq(&call.rk, seq)?;
+                return Ok(if call.same_intent(&rec) {
+                    Match::Existing {
+                        rec,
+                        via: Via::Tape,
+                    }
+                } else {
+                    Match::Divergent(rec)
+                });
+            }
+            if let Some(m) = self.match_step(call)? {
+                return Ok(m);
+            }
         }
-        Ok(match self.earliest_intent_among(call, &here, tape)? {
-            Some(seq) => Some(Match::Existing {
+        // 2. A due tape entry of the same intent, the n-th identical intent matching the n-th
+        //    recorded one, whatever step key the call carries: frameworks mint new keys after
+        //    time travel, and restore matches as a fork does (the new key becomes an alias).
+        if !tape.is_empty()
+            && let Some(seq) = self.earliest_intent_among(call, &here, tape)?
+        {
+            return Ok(Match::Existing {
                 rec: self.load_seq(&call.rk, seq)?,
                 via: Via::Tape,
-            }),
-            None => None,
+            });
+        }
+        // 3. What abandoned lines of history did (see `match_carried`).
+        if let Some(m) = self.match_carried(call)? {
+            return Ok(m);
+        }
+        // 4. A repeat of a recorded intent under no key or a new one.
+        let (count, repeat) = self.repeated_intent(call)?;
+        if let Some(rec) = repeat
+            && let Some(m) = self.answer_repeat(call, rec)
+        {
+            return Ok(m);
+        }
+        if let Some(&due) = tape.first() {
+            // A recorded effect is due and this call is not it: fail closed.
+            return Ok(Match::Divergent(self.load_seq(&call.rk, due)?));
+        }
+        Ok(Match::New {
+            occurrence: count + 1,
         })
+    }
+
+    /// The effect the call's step key names on its lineage, if any.
+    fn match_step(&self, call: &Call<'_>) -> Result<Option<Match>> {
+        for (b, limit) in call.run.lineage(call.branch) {
+            let key = keys::step(&call.rk, b, &call.cmd.step_key);
+            if let Some(entry) = self.get::<IndexEntry>(&key)?
+                && entry.position < limit
+            {
+                let rec = self.load_seq(&call.rk, entry.seq)?;
+                return Ok(Some(if call.same_intent(&rec) {
+                    Match::Existing {
+                        rec,
+                        via: Via::Lineage,
+                    }
+                } else {
+                    Match::Mismatch(rec)
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// How many effects of the call's intent its lineage holds, and the latest one a repeat
+    /// of it would be: for a call without a step key, the latest anywhere on the lineage; for
+    /// one under a new step key, the latest in the same causal step (descending from the same
+    /// checkpoint, or with no checkpoint between them). DEDUPLICATE calls under their own key
+    /// are new effects by definition, so they have none.
+    fn repeated_intent(&self, call: &Call<'_>) -> Result<(u32, Option<EffectRecord>)> {
+        let entries = self.lineage_intent_entries(&call.rk, &call.run, call.branch, &call.fps)?;
+        let count = entries.len() as u32;
+        let keyed = !call.cmd.step_key.is_empty();
+        if keyed && call.class() == OpClass::Deduplicate {
+            return Ok((count, None));
+        }
+        let mut latest_first = entries;
+        latest_first.sort_unstable_by_key(|(_, e)| std::cmp::Reverse(e.seq));
+        for (b, entry) in latest_first {
+            let rec = self.load_seq(&call.rk, entry.seq)?;
+            if !keyed || call.same_causal_step(&rec, b, entry.position) {
+                return Ok((count, Some(rec)));
+            }
+        }
+        Ok((count, None))
+    }
+
+    /// How a repeat of `rec`'s intent under no step key or a new one is answered: from the
+    /// recorded effect's state, as its own key would be (in progress while leased, reconcile
+    /// while unknown, granted again after it certainly failed); only a finished effect makes
+    /// it a suspected duplicate, and only there does `deliberate_repeat` make a second effect
+    /// (`None`). A DEDUPLICATE repeat is the same effect whatever its state.
+    fn answer_repeat(&self, call: &Call<'_>, rec: EffectRecord) -> Option<Match> {
+        let view = rec.view(call.now);
+        let finished = matches!(view.state(), State::Completed | State::Compensated);
+        if call.class() == OpClass::Deduplicate || (!finished && !view.tombstone) {
+            return Some(Match::Existing {
+                rec,
+                via: Via::Lineage,
+            });
+        }
+        if call.cmd.deliberate_repeat {
+            return None;
+        }
+        Some(Match::Duplicate(rec))
     }
 
     /// Matches against the effects this branch carries (done in the world after its starting
@@ -491,58 +582,6 @@ impl<S: Store> Ledger<S> {
         Ok(best.map(|i| seqs[i]))
     }
 
-    fn match_lineage(&self, call: &Call<'_>) -> Result<Match> {
-        if !call.cmd.step_key.is_empty() {
-            for (b, limit) in call.run.lineage(call.branch) {
-                let key = keys::step(&call.rk, b, &call.cmd.step_key);
-                if let Some(entry) = self.get::<IndexEntry>(&key)?
-                    && entry.position < limit
-                {
-                    let rec = self.load_seq(&call.rk, entry.seq)?;
-                    return Ok(if call.same_intent(&rec) {
-                        Match::Existing {
-                            rec,
-                            via: Via::Lineage,
-                        }
-                    } else {
-                        Match::Mismatch(rec)
-                    });
-                }
-            }
-            if let Some(m) = self.match_carried(call)? {
-                return Ok(m);
-            }
-            let (count, _) = self.lineage_intent(call)?;
-            return Ok(Match::New {
-                occurrence: count + 1,
-            });
-        }
-        // Keyless: a carried effect of this intent is the one a restored agent re-issues.
-        if let Some(m) = self.match_carried(call)? {
-            return Ok(m);
-        }
-        let (count, latest) = self.lineage_intent(call)?;
-        match latest {
-            Some(seq) if !call.cmd.deliberate_repeat => {
-                let rec = self.load_seq(&call.rk, seq)?;
-                // A prior that certainly did not happen is not a duplicate: it is granted
-                // again (same effect, same downstream key), as DESIGN allows.
-                let did_not_happen = rec.view(call.now).state() == State::FailedBeforeInput;
-                Ok(if call.class() == OpClass::Deduplicate || did_not_happen {
-                    Match::Existing {
-                        rec,
-                        via: Via::Lineage,
-                    }
-                } else {
-                    Match::Duplicate(rec)
-                })
-            }
-            _ => Ok(Match::New {
-                occurrence: count + 1,
-            }),
-        }
-    }
-
     /// How many effects of this intent the call's lineage holds, and the latest one.
     fn lineage_intent(&self, call: &Call<'_>) -> Result<(u32, Option<u64>)> {
         self.lineage_intent_of(&call.rk, &call.run, call.branch, &call.fps)
@@ -558,8 +597,22 @@ impl<S: Store> Ledger<S> {
         branch: u32,
         fps: &[Fingerprint],
     ) -> Result<(u32, Option<u64>)> {
+        let entries = self.lineage_intent_entries(rk, run, branch, fps)?;
+        let latest = entries.iter().map(|(_, e)| e.seq).max();
+        Ok((entries.len() as u32, latest))
+    }
+
+    /// The index entries of an intent on the lineage of `branch`, one per effect, each with
+    /// the branch whose index holds it.
+    fn lineage_intent_entries(
+        &self,
+        rk: &RunKey,
+        run: &RunRecord,
+        branch: u32,
+        fps: &[Fingerprint],
+    ) -> Result<Vec<(u32, IndexEntry)>> {
         let distinct = distinct(fps);
-        let mut seqs: Vec<u64> = Vec::new();
+        let mut out: Vec<(u32, IndexEntry)> = Vec::new();
         for (b, limit) in run.lineage(branch) {
             for fp in &distinct {
                 let prefix = keys::intent_prefix(rk, b, fp);
@@ -567,14 +620,14 @@ impl<S: Store> Ledger<S> {
                     let entry: IndexEntry = codec::decode(&k, &v)?;
                     if entry.position < limit
                         && fps.get(entry.tool_version as usize) == Some(fp)
-                        && !seqs.contains(&entry.seq)
+                        && !out.iter().any(|(_, e)| e.seq == entry.seq)
                     {
-                        seqs.push(entry.seq);
+                        out.push((b, entry));
                     }
                 }
             }
         }
-        Ok((seqs.len() as u32, seqs.iter().max().copied()))
+        Ok(out)
     }
 
     /// Checks every presented credential; see [`Gate`].
@@ -609,7 +662,7 @@ impl<S: Store> Ledger<S> {
                 return Ok(Gate::Refused(Refusal::new(
                     Reason::CredentialMismatch,
                     Recovery::Reauthenticate,
-                    "This approval was given for a different call; ask for a new approval.",
+                    crate::ledger::messages::CREDENTIAL_OTHER_CALL,
                 )));
             }
             if cred.uses >= cred.budget {
@@ -625,7 +678,7 @@ impl<S: Store> Ledger<S> {
                 let mut refusal = Refusal::new(
                     Reason::CredentialConsumed,
                     Recovery::Reauthenticate,
-                    "This credential or approval was already used up; obtain a new one.",
+                    crate::ledger::messages::CREDENTIAL_CONSUMED,
                 );
                 if let Some(last) = cred.spent_by.last()
                     && let Ok(rk) = RunKey::try_from(&last.run_key[..])
@@ -652,15 +705,31 @@ impl<S: Store> Ledger<S> {
         if view.tombstone {
             return Ok(expired(view).into());
         }
+        let own_grant =
+            !call.cmd.request_id.is_empty() && rec.grant_request_id == call.cmd.request_id;
+        if matches!(view.state(), State::Accepted | State::Running) && !own_grant {
+            // Another attempt holds it: the caller waits and comes back. Nothing is consumed
+            // (a tape entry or a carried effect stays due), so the call that comes back once
+            // it finished gets its result, not a refusal as a repeat.
+            return Ok(Decision::InProgress {
+                receipt: Box::new(view),
+                retry_after_ms: self.config.in_progress_retry_ms,
+            });
+        }
         let mut batch = Batch::new();
         let mut rec_changed = false;
+        // Where the effect sits in this branch's log (for an alias of a new step key).
+        let mut position = rec.position;
+        if let Some(a) = rec.adopted.iter().find(|a| a.branch == call.branch) {
+            position = a.position;
+        }
         match via {
             Via::Lineage => {}
             Via::Tape => {
                 let branch = &mut call.run.branches[call.branch as usize];
                 if let Some(i) = branch.tape_seqs.iter().position(|s| *s == rec.seq) {
                     branch.tape_seqs.remove(i);
-                    branch.tape_positions.remove(i);
+                    position = branch.tape_positions.remove(i);
                 }
                 if branch.tape_seqs.is_empty() {
                     branch.restored_from_checkpoint.clear();
@@ -679,19 +748,11 @@ impl<S: Store> Ledger<S> {
                 rec_changed = true;
                 Decision::Replay(Box::new(rec.view(now)))
             }
-            // The same requester re-sending after a lost response gets its own grant back.
-            State::Accepted | State::Running
-                if !call.cmd.request_id.is_empty()
-                    && rec.grant_request_id == call.cmd.request_id =>
-            {
-                Decision::Execute {
-                    receipt: Box::new(view),
-                    recorded: true,
-                }
-            }
-            State::Accepted | State::Running => Decision::InProgress {
+            // The same requester re-sending after a lost response gets its own grant back
+            // (any other caller was answered IN_PROGRESS above).
+            State::Accepted | State::Running => Decision::Execute {
                 receipt: Box::new(view),
-                retry_after_ms: self.config.in_progress_retry_ms,
+                recorded: true,
             },
             State::FailedBeforeInput => {
                 rec_changed = true;
@@ -708,12 +769,39 @@ impl<S: Store> Ledger<S> {
                 return Ok(Refusal::new(
                     Reason::ReconcileRequired,
                     Recovery::Reconcile,
-                    "This call may already have taken effect; check the outside world and reconcile it before anything else.",
+                    crate::ledger::messages::RECONCILE_REQUIRED,
                 )
                 .with_receipt(view)
                 .into());
             }
         };
+        let parent = &call.cmd.parent_checkpoint_id;
+        if !parent.is_empty()
+            && *parent != rec.parent_checkpoint_id
+            && !rec.answered_steps.contains(parent)
+        {
+            // The effect now answers a call of this causal step too (a restored agent's
+            // re-issued call): a retry of that call is a repeat of it, not a new effect.
+            if rec.answered_steps.len() >= MAX_ANSWERED_STEPS {
+                rec.answered_steps.remove(0);
+            }
+            rec.answered_steps.push(parent.clone());
+            rec_changed = true;
+        }
+        if via != Via::Carried && !call.cmd.step_key.is_empty() && call.cmd.step_key != rec.step_key
+        {
+            // The same effect under the caller's new name for the step: an alias, so the
+            // step key is bound from now on (adoption does this for carried effects).
+            let step = keys::step(&call.rk, call.branch, &call.cmd.step_key);
+            if self.store.get(&step)?.is_none() {
+                let entry = IndexEntry {
+                    seq: rec.seq,
+                    position,
+                    tool_version: rec.tool_version,
+                };
+                batch.put(step, codec::encode(&entry));
+            }
+        }
         if rec_changed {
             batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
         }
@@ -833,6 +921,7 @@ impl<S: Store> Ledger<S> {
             arguments_json: call.cmd.arguments_json.clone(),
             deliberate_repeat: call.cmd.deliberate_repeat,
             grant_request_id: call.cmd.request_id.clone(),
+            parent_checkpoint_id: call.cmd.parent_checkpoint_id.clone(),
             ..Default::default()
         }
     }
@@ -888,6 +977,7 @@ impl<S: Store> Ledger<S> {
             batch.put(keys::credential(&tk, &hash), codec::encode(&*cred));
         }
         call.run.next_seq = seq + 1;
+        self.note_open_step(&mut call, rec.position)?;
         call.run.branches[call.branch as usize].length += 1;
         batch.put(keys::run(&call.rk), codec::encode(&call.run));
         self.store.write(batch)?;
@@ -895,6 +985,36 @@ impl<S: Store> Ledger<S> {
             receipt: Box::new(rec),
             recorded: true,
         })
+    }
+
+    /// Remembers where the first effect naming a not yet recorded checkpoint sits in the
+    /// branch's log: the checkpoint, when it arrives late, is placed before it (see
+    /// [`Ledger::checkpoint`]).
+    fn note_open_step(&self, call: &mut Call<'_>, position: u64) -> Result<()> {
+        let parent = &call.cmd.parent_checkpoint_id;
+        if parent.is_empty()
+            || call
+                .branch()
+                .open_steps
+                .iter()
+                .any(|o| &o.checkpoint_id == parent)
+            || self
+                .store
+                .get(&keys::checkpoint(&call.rk, parent))?
+                .is_some()
+        {
+            return Ok(());
+        }
+        let open = &mut call.run.branches[call.branch as usize].open_steps;
+        if open.len() >= MAX_OPEN_STEPS {
+            // A checkpoint that never arrived; forgetting it only places it by arrival.
+            open.remove(0);
+        }
+        open.push(OpenStep {
+            checkpoint_id: parent.clone(),
+            position,
+        });
+        Ok(())
     }
 
     /// The keyed hash a credential is stored under (the raw value never is).
@@ -958,7 +1078,7 @@ fn expired(view: EffectRecord) -> Refusal {
     Refusal::new(
         Reason::Expired,
         Recovery::Stop,
-        "This call matches a record past its retention window; it will not be executed again.",
+        crate::ledger::messages::EXPIRED,
     )
     .with_receipt(view)
 }

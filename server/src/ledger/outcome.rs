@@ -78,15 +78,25 @@ impl<S: Store> Ledger<S> {
     }
 
     /// Loads an effect and its run for a transition, checking the caller's epoch.
+    ///
+    /// `attempt` is the grant the caller names (0: none). A report from a granted attempt is
+    /// about an effect that was started, whatever the run's epoch since: the effect id and
+    /// attempt are its capability, and losing its result to a restore would turn a known
+    /// outcome into EFFECT_UNKNOWN. So only an epoch never issued is refused there; a stale
+    /// epoch fences new work (Begin, Reconcile, a report naming no attempt), not facts.
     fn effect_for_update(
         &self,
         tenant: &str,
         id: &EffectId,
         epoch: u64,
+        attempt: u32,
     ) -> Result<(EffectRecord, RunRecord)> {
         let rec = self.require_effect(id, tenant)?;
         let run = self.require_run(&id.run_key, tenant, &rec.run_id)?;
-        check_epoch(&run, epoch)?;
+        let granted = attempt != 0 && attempt <= rec.attempt;
+        if !granted || epoch > run.epoch {
+            check_epoch(&run, epoch)?;
+        }
         Ok((rec, run))
     }
 
@@ -123,7 +133,7 @@ impl<S: Store> Ledger<S> {
         }
         let _guard = self.runs.lock(&id.run_key);
         let now = self.now();
-        let (mut rec, _) = self.effect_for_update(tenant, &id, epoch)?;
+        let (mut rec, _) = self.effect_for_update(tenant, &id, epoch, attempt)?;
         if attempt > rec.attempt {
             return Err(LedgerError::invalid("attempt", "was never granted"));
         }
@@ -184,7 +194,7 @@ impl<S: Store> Ledger<S> {
         }
         let _guard = self.runs.lock(&id.run_key);
         let now = self.now();
-        let (mut rec, _) = self.effect_for_update(tenant, &id, epoch)?;
+        let (mut rec, _) = self.effect_for_update(tenant, &id, epoch, attempt)?;
         if attempt > rec.attempt {
             return Err(LedgerError::invalid("attempt", "was never granted"));
         }
@@ -341,7 +351,7 @@ impl<S: Store> Ledger<S> {
         }
         let _guard = self.runs.lock(&id.run_key);
         let now = self.now();
-        let (mut rec, _) = self.effect_for_update(tenant, &id, epoch)?;
+        let (mut rec, _) = self.effect_for_update(tenant, &id, epoch, 0)?;
         let view = rec.view(now);
         if view.tombstone {
             return Err(refuse(

@@ -72,6 +72,25 @@ pub struct BranchRecord {
     /// `carried_seqs`).
     #[prost(uint32, repeated, tag = "13")]
     pub carried_sources: Vec<u32>,
+    /// The log position of the branch's latest checkpoint (0 = none since it started): calls
+    /// naming no checkpoint after it are in one causal step.
+    #[prost(uint64, tag = "14")]
+    pub last_checkpoint_position: u64,
+    /// Checkpoints named by this branch's effects as their parent before being recorded
+    /// themselves, with the position of the first such effect (late checkpoints).
+    #[prost(message, repeated, tag = "15")]
+    pub open_steps: Vec<OpenStep>,
+}
+
+/// A checkpoint effects descend from that is not recorded yet.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct OpenStep {
+    /// The checkpoint's name.
+    #[prost(string, tag = "1")]
+    pub checkpoint_id: String,
+    /// The log position of the first effect that named it.
+    #[prost(uint64, tag = "2")]
+    pub position: u64,
 }
 
 /// A checkpoint: a named position in a branch's log.
@@ -98,6 +117,9 @@ pub struct CheckpointRecord {
     /// The branch name (denormalised for answers).
     #[prost(string, tag = "7")]
     pub branch_name: String,
+    /// The checkpoint it follows in the run's history (empty = not named).
+    #[prost(string, tag = "8")]
+    pub parent_checkpoint_id: String,
 }
 
 /// One restore.
@@ -338,6 +360,14 @@ pub struct EffectRecord {
     /// its position in each one's log.
     #[prost(message, repeated, tag = "39")]
     pub adopted: Vec<Adoption>,
+    /// The checkpoint the call descended from (empty = not named): its causal step.
+    #[prost(string, tag = "40")]
+    pub parent_checkpoint_id: String,
+    /// Other checkpoints whose calls this effect answered (a replay after a restore or on a
+    /// fork names the checkpoint the restored agent is at): it is in their causal steps too,
+    /// so a retry there is a repeat of it. Bounded; the latest kept.
+    #[prost(string, repeated, tag = "41")]
+    pub answered_steps: Vec<String>,
 }
 
 /// An effect's place in the log of a branch that adopted it.

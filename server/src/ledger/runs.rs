@@ -65,6 +65,8 @@ pub struct CheckpointCmd {
     pub epoch: u64,
     /// Checkpoint name.
     pub checkpoint_id: String,
+    /// The checkpoint it follows ("" = none).
+    pub parent_checkpoint_id: String,
 }
 
 /// A fork request.
@@ -143,6 +145,9 @@ impl<S: Store> Ledger<S> {
         if !cmd.branch.is_empty() {
             self.check_id("branch", &cmd.branch)?;
         }
+        if !cmd.parent_checkpoint_id.is_empty() {
+            self.check_id("parent_checkpoint_id", &cmd.parent_checkpoint_id)?;
+        }
         let rk = keys::run_key(tenant, &cmd.run_id);
         let _guard = self.runs.lock(&rk);
         let now = self.now();
@@ -179,10 +184,19 @@ impl<S: Store> Ledger<S> {
                 ),
             });
         }
-        let b = &run.branches[branch as usize];
+        let b = &mut run.branches[branch as usize];
         // While a tape is pending the agent is logically at its first unconsumed entry, not at
-        // the end of the log: restoring to this checkpoint later must replay from there.
-        let position = b.tape_positions.iter().copied().min().unwrap_or(b.length);
+        // the end of the log: restoring to this checkpoint later must replay from there. And a
+        // checkpoint saved late comes before the first effect that named it as its parent.
+        let mut position = b.tape_positions.iter().copied().min().unwrap_or(b.length);
+        if let Some(i) = b
+            .open_steps
+            .iter()
+            .position(|o| o.checkpoint_id == cmd.checkpoint_id)
+        {
+            position = position.min(b.open_steps.remove(i).position);
+        }
+        let b = &run.branches[branch as usize];
         let record = CheckpointRecord {
             checkpoint_id: cmd.checkpoint_id.clone(),
             branch,
@@ -191,8 +205,11 @@ impl<S: Store> Ledger<S> {
             created_at_ms: now,
             ordinal: run.checkpoint_count,
             branch_name: b.name.clone(),
+            parent_checkpoint_id: cmd.parent_checkpoint_id.clone(),
         };
         run.checkpoint_count += 1;
+        let b = &mut run.branches[branch as usize];
+        b.last_checkpoint_position = b.last_checkpoint_position.max(position);
         let mut batch = Batch::new();
         batch.put(key, codec::encode(&record));
         batch.put(keys::run(&rk), codec::encode(&run));
@@ -232,10 +249,14 @@ impl<S: Store> Ledger<S> {
         let cp = self.require_checkpoint(&rk, checkpoint_id)?;
         // Positions come from the log entry: an adopted effect's record holds its position on
         // the branch that recorded it, not on this one.
-        let (tape, positions): (Vec<EffectRecord>, Vec<u64>) = self
-            .branch_log_from(&rk, cp.branch, cp.position)?
-            .into_iter()
-            .unzip();
+        let mut after = Vec::new();
+        let mut descends = std::collections::HashMap::new();
+        for (rec, position) in self.branch_log_from(&rk, cp.branch, cp.position)? {
+            if self.causally_after(&rk, &rec, &cp, &mut descends)? {
+                after.push((rec, position));
+            }
+        }
+        let (tape, positions): (Vec<EffectRecord>, Vec<u64>) = after.into_iter().unzip();
         // What other branches did after the checkpoint stays done too: carried, so that an
         // equivalent call replays it (the tape itself stays this branch's own log, in order).
         let lineage = run.lineage(cp.branch);
@@ -253,6 +274,8 @@ impl<S: Store> Ledger<S> {
                 branch.carried_sources.push(source);
             }
         }
+        // The agent is back at the checkpoint: that is where its causal step starts.
+        branch.last_checkpoint_position = cp.position;
         branch.tape_seqs = tape.iter().map(|r| r.seq).collect();
         branch.tape_positions = positions;
         branch.restored_from_checkpoint = if tape.is_empty() {
@@ -278,6 +301,68 @@ impl<S: Store> Ledger<S> {
             branch: branch_name,
             tape: tape.into_iter().map(|r| r.view(now)).collect(),
         })
+    }
+
+    /// Is `rec` (in the log after `cp`'s position) after `cp` in the run's causal history?
+    /// Yes unless every checkpoint it is known to descend from (the one its call named, and
+    /// those of the calls it answered as a replay since) has a recorded ancestry showing it
+    /// comes before `cp`: then the effect happened before `cp` and only arrived after it (the
+    /// framework saved `cp` late, or the effect's report was slow). An effect naming nothing,
+    /// or a checkpoint not recorded, is placed by arrival (when unsure, it stays on the tape:
+    /// fail closed). `memo` caches the answer per checkpoint.
+    fn causally_after(
+        &self,
+        rk: &RunKey,
+        rec: &EffectRecord,
+        cp: &CheckpointRecord,
+        memo: &mut std::collections::HashMap<String, bool>,
+    ) -> Result<bool> {
+        if rec.parent_checkpoint_id.is_empty() {
+            return Ok(true);
+        }
+        for named in std::iter::once(&rec.parent_checkpoint_id).chain(&rec.answered_steps) {
+            if self.descends_from(rk, named, cp, memo)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Is checkpoint `named` `cp` or after it, by the recorded parent links (see
+    /// [`causally_after`](Self::causally_after))?
+    fn descends_from(
+        &self,
+        rk: &RunKey,
+        named: &str,
+        cp: &CheckpointRecord,
+        memo: &mut std::collections::HashMap<String, bool>,
+    ) -> Result<bool> {
+        if named == cp.checkpoint_id {
+            return Ok(true);
+        }
+        if let Some(&known) = memo.get(named) {
+            return Ok(known);
+        }
+        let mut answer = true;
+        let mut cur = named.to_owned();
+        // Each hop reads one checkpoint; the chain is at most the run's checkpoint count.
+        for _ in 0..=self.config.limits.max_checkpoints_per_run {
+            match self.get::<CheckpointRecord>(&keys::checkpoint(rk, &cur))? {
+                // Not recorded (yet): nothing says it is before `cp`; fail closed.
+                None => break,
+                Some(c) if c.parent_checkpoint_id == cp.checkpoint_id => break,
+                // The chain's start, or a checkpoint recorded without its parent: judged by
+                // its place in the log, which a late save can only make earlier.
+                Some(c) if c.parent_checkpoint_id.is_empty() => {
+                    answer = c.branch != cp.branch
+                        || (c.position, c.ordinal) > (cp.position, cp.ordinal);
+                    break;
+                }
+                Some(c) => cur = c.parent_checkpoint_id,
+            }
+        }
+        memo.insert(named.to_owned(), answer);
+        Ok(answer)
     }
 
     /// The non-SAFE_RETRY effects in `branch`'s log from `position` on, with their positions

@@ -159,6 +159,27 @@ impl<S: Store> Ledger<S> {
         }
     }
 
+    /// A registered version of a tool (0 = the current one), as `GetTool` answers: a name
+    /// never registered is UNKNOWN_RECORD (NOT_FOUND), not the implicit NON_RETRYABLE
+    /// definition its calls get, so a typo in a registration check cannot pass for a tool.
+    pub fn registered_tool(&self, tenant: &str, name: &str, version: u32) -> Result<ToolRecord> {
+        let tool = match version {
+            0 => self.current_tool(tenant, name)?,
+            v => self.tool_version(tenant, name, v)?,
+        };
+        if tool.record.version == 0 {
+            return Err(super::Refusal::new(
+                super::Reason::UnknownRecord,
+                super::Recovery::FixArgument,
+                format!(
+                    "Tool {name:?} was never registered; its calls are treated as NON_RETRYABLE with no volatile fields."
+                ),
+            )
+            .into());
+        }
+        Ok(tool.record)
+    }
+
     /// A given version of a tool (0 = the unregistered definition).
     pub fn tool_version(&self, tenant: &str, name: &str, version: u32) -> Result<Tool> {
         if version == 0 {

@@ -324,6 +324,8 @@ pub struct BeginCmd {
     pub compensates_effect_id: String,
     /// The caller's nonce for this logical call ("" = none); see the proto.
     pub request_id: String,
+    /// The checkpoint this call descends from ("" = none): its causal position.
+    pub parent_checkpoint_id: String,
 }
 
 /// How a granted effect ended, as reported by its executor.

@@ -6,8 +6,15 @@ clients differ only in whether they await the call.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import datetime
+import decimal
+import enum
+import ipaddress
 import json
+import pathlib
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Union
 
@@ -31,9 +38,108 @@ class Rpc:
     convert: Callable[[Any], Any]
 
 
+def to_jsonable(value: Any) -> Any:
+    """``value`` as plain JSON data, the same every time for the same value.
+
+    Pydantic models are dumped by pydantic (aliases, field serializers); dataclasses
+    become objects; datetimes, dates and times ISO 8601 strings; enums their value; UUIDs
+    their canonical string; Decimals their exact digits (as a JSON number, so the server
+    compares them exactly); sets sorted lists; bytes base64. Anything else raises
+    ``TypeError``.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return to_jsonable(value.value)
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            raise ValueError(f"{value} is not a JSON number")
+        return _ExactNumber.of(value)
+    if isinstance(value, dict):
+        return {_key(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((to_jsonable(v) for v in value), key=dumps)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    dump = getattr(value, "model_dump", None)
+    if callable(dump) and hasattr(type(value), "model_fields"):
+        # pydantic v2: the model's own dump (aliases, field serializers), in Python mode so
+        # Decimals stay exact numbers; where a value only pydantic can encode remains, its
+        # JSON mode is the model's notion of its JSON form.
+        try:
+            return to_jsonable(dump(mode="python", by_alias=True))
+        except (TypeError, ValueError):
+            return to_jsonable(dump(mode="json", by_alias=True))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (pathlib.PurePath, ipaddress.IPv4Address, ipaddress.IPv6Address)):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, enum.Enum):
+        return str(key.value)
+    if isinstance(key, (int, float, bool, uuid.UUID)) or key is None:
+        return json.dumps(key) if not isinstance(key, uuid.UUID) else str(key)
+    raise TypeError(f"object keys must be strings, not {type(key).__name__}")
+
+
+@dataclass(frozen=True)
+class _ExactNumber:
+    """A Decimal to be written with its exact digits (``json`` would go through float)."""
+
+    text: str
+
+    @classmethod
+    def of(cls, value: decimal.Decimal) -> "_ExactNumber":
+        text = format(value, "f") if -30 < value.adjusted() < 30 else str(value)
+        if "." not in text and "E" not in text and "e" not in text and text.lstrip("-") == "":
+            text = "0"
+        return cls(text)
+
+
+def _write(value: Any, out: list[str]) -> None:
+    if isinstance(value, _ExactNumber):
+        out.append(value.text)
+    elif isinstance(value, dict):
+        out.append("{")
+        for i, key in enumerate(sorted(value)):
+            if i:
+                out.append(",")
+            out.append(json.dumps(key, ensure_ascii=False))
+            out.append(":")
+            _write(value[key], out)
+        out.append("}")
+    elif isinstance(value, list):
+        out.append("[")
+        for i, item in enumerate(value):
+            if i:
+                out.append(",")
+            _write(item, out)
+        out.append("]")
+    else:
+        out.append(json.dumps(value, ensure_ascii=False, allow_nan=False))
+
+
 def dumps(value: Any) -> str:
-    """Compact, deterministic JSON (the server canonicalises again; this keeps audits tidy)."""
-    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False)
+    """Compact, deterministic JSON of ``value`` (see :func:`to_jsonable`): sorted keys, no
+    whitespace. The server canonicalises again; this keeps requests and audits stable."""
+    out: list[str] = []
+    _write(to_jsonable(value), out)
+    return "".join(out)
 
 
 def arguments_json(arguments: JsonArgs) -> str:
@@ -138,7 +244,13 @@ def get_run(run: RunLike) -> Rpc:
     )
 
 
-def checkpoint(run: RunLike, checkpoint_id: str, branch: str | None, epoch: int | None) -> Rpc:
+def checkpoint(
+    run: RunLike,
+    checkpoint_id: str,
+    branch: str | None,
+    epoch: int | None,
+    parent_checkpoint_id: str = "",
+) -> Rpc:
     return Rpc(
         "Checkpoint",
         pb.CheckpointRequest(
@@ -146,6 +258,7 @@ def checkpoint(run: RunLike, checkpoint_id: str, branch: str | None, epoch: int 
             branch=branch_of(run, branch),
             epoch=epoch_of(run, epoch),
             checkpoint_id=checkpoint_id,
+            parent_checkpoint_id=parent_checkpoint_id,
         ),
         lambda r: t.CheckpointResult(t.CheckpointInfo.from_proto(r.checkpoint), r.created),
     )
@@ -211,6 +324,8 @@ def begin(
     saga_id: str,
     compensation: t.Compensation | None,
     compensates_effect_id: str,
+    request_id: str = "",
+    parent_checkpoint_id: str = "",
 ) -> Rpc:
     request = pb.BeginRequest(
         run_id=run_id_of(run),
@@ -225,6 +340,8 @@ def begin(
         record=record,
         saga_id=saga_id,
         compensates_effect_id=compensates_effect_id,
+        request_id=request_id,
+        parent_checkpoint_id=parent_checkpoint_id,
     )
     if compensation is not None:
         request.compensation.CopyFrom(compensation.to_proto())
@@ -292,6 +409,8 @@ class BeginCall:
     saga_id: str = ""
     compensation: t.Compensation | None = None
     compensates_effect_id: str = ""
+    request_id: str = ""
+    parent_checkpoint_id: str = ""
 
     def rpc(self) -> Rpc:
         return begin(
@@ -308,6 +427,8 @@ class BeginCall:
             saga_id=self.saga_id,
             compensation=self.compensation,
             compensates_effect_id=self.compensates_effect_id,
+            request_id=self.request_id,
+            parent_checkpoint_id=self.parent_checkpoint_id,
         )
 
 

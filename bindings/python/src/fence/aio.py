@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 import grpc
@@ -33,6 +35,11 @@ class AsyncClient:
         channel_credentials: TLS credentials; ``None`` = plaintext.
         channel: an existing channel to use instead (the client does not close it).
         metadata: extra metadata sent with every call.
+
+    The client may be created anywhere, at module level included: it opens its channel
+    lazily, in the event loop that first uses it, and a new one for each other loop that uses
+    it later (``asyncio.run`` twice, a test framework's per-test loops), so it is never
+    "attached to a different loop".
     """
 
     def __init__(
@@ -49,16 +56,36 @@ class AsyncClient:
         self.target = target
         self.timeout = timeout
         self._owns_channel = channel is None
-        if channel is None:
-            if channel_credentials is not None:
-                channel = grpc.aio.secure_channel(target, channel_credentials)
-            else:
-                channel = grpc.aio.insecure_channel(target)
-        self._channel = channel
-        self._stub = fence_pb2_grpc.FenceStub(channel)
+        self._credentials = channel_credentials
+        self._given = channel
+        # Per event loop: the channel opened in it and its stub (a grpc.aio channel belongs
+        # to the loop it was created in).
+        self._by_loop: dict[int, tuple[weakref.ref[asyncio.AbstractEventLoop], grpc.aio.Channel, Any]] = {}
         self._metadata = rq.call_metadata(tenant, token, metadata)
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def _stub(self) -> Any:
+        """The stub of the running loop's channel, opened on first use in that loop."""
+        loop = asyncio.get_running_loop()
+        entry = self._by_loop.get(id(loop))
+        if entry is not None and entry[0]() is loop:
+            return entry[2]
+        # Forget channels of loops that are gone (their ids may be reused).
+        for key, (ref, _, _) in list(self._by_loop.items()):
+            alive = ref()
+            if alive is None or alive.is_closed():
+                del self._by_loop[key]
+        channel = self._given
+        if channel is None:
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(self.target, self._credentials)
+            else:
+                channel = grpc.aio.insecure_channel(self.target)
+        stub = fence_pb2_grpc.FenceStub(channel)
+        self._by_loop[id(loop)] = (weakref.ref(loop), channel, stub)
+        return stub
 
     async def _call(self, rpc: rq.Rpc) -> Any:
         method = getattr(self._stub, rpc.method)
@@ -69,9 +96,12 @@ class AsyncClient:
         return rpc.convert(response)
 
     async def close(self) -> None:
-        """Closes the channel (if this client created it)."""
-        if self._owns_channel:
-            await self._channel.close(None)
+        """Closes the channel this client opened in the running loop (a channel given to the
+        constructor is left open); channels of other loops close with their loop."""
+        loop = asyncio.get_running_loop()
+        entry = self._by_loop.pop(id(loop), None)
+        if entry is not None and self._owns_channel:
+            await entry[1].close(None)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -120,9 +150,14 @@ class AsyncClient:
         *,
         branch: str | None = None,
         epoch: int | None = None,
+        parent_checkpoint_id: str = "",
     ) -> t.CheckpointResult:
-        """Records a named checkpoint at the end of the branch (default: the handle's)."""
-        return await self._call(rq.checkpoint(run, checkpoint_id, branch, epoch))
+        """Records a named checkpoint on the branch (default: the handle's).
+
+        ``parent_checkpoint_id`` names the checkpoint this one follows: every effect that
+        names this checkpoint (or one after it) as its parent is after it, however late this
+        call arrives (frameworks save checkpoints in the background)."""
+        return await self._call(rq.checkpoint(run, checkpoint_id, branch, epoch, parent_checkpoint_id))
 
     async def restore(
         self, run: rq.RunLike, checkpoint_id: str, *, expected_epoch: int = 0
@@ -160,8 +195,15 @@ class AsyncClient:
         saga_id: str = "",
         compensation: t.Compensation | None = None,
         compensates_effect_id: str = "",
+        request_id: str = "",
+        parent_checkpoint_id: str = "",
     ) -> t.BeginResult:
-        """Asks to perform one call of a tool; answers with a typed decision."""
+        """Asks to perform one call of a tool; answers with a typed decision.
+
+        ``request_id``: a nonce made once per logical call and repeated when re-sending it
+        (after a lost answer the same requester gets its grant back, with or without a step
+        key). ``parent_checkpoint_id``: the checkpoint the call descends from (its causal
+        step; see the proto)."""
         return await self._call(
             rq.begin(
                 run,
@@ -177,6 +219,8 @@ class AsyncClient:
                 saga_id=saga_id,
                 compensation=compensation,
                 compensates_effect_id=compensates_effect_id,
+                request_id=request_id,
+                parent_checkpoint_id=parent_checkpoint_id,
             )
         )
 

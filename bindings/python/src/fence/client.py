@@ -120,9 +120,14 @@ class Client:
         *,
         branch: str | None = None,
         epoch: int | None = None,
+        parent_checkpoint_id: str = "",
     ) -> t.CheckpointResult:
-        """Records a named checkpoint at the end of the branch (default: the handle's)."""
-        return self._call(rq.checkpoint(run, checkpoint_id, branch, epoch))
+        """Records a named checkpoint on the branch (default: the handle's).
+
+        ``parent_checkpoint_id`` names the checkpoint this one follows: every effect that
+        names this checkpoint (or one after it) as its parent is after it, however late this
+        call arrives (frameworks save checkpoints in the background)."""
+        return self._call(rq.checkpoint(run, checkpoint_id, branch, epoch, parent_checkpoint_id))
 
     def restore(
         self, run: rq.RunLike, checkpoint_id: str, *, expected_epoch: int = 0
@@ -160,8 +165,15 @@ class Client:
         saga_id: str = "",
         compensation: t.Compensation | None = None,
         compensates_effect_id: str = "",
+        request_id: str = "",
+        parent_checkpoint_id: str = "",
     ) -> t.BeginResult:
-        """Asks to perform one call of a tool; answers with a typed decision."""
+        """Asks to perform one call of a tool; answers with a typed decision.
+
+        ``request_id``: a nonce made once per logical call and repeated when re-sending it
+        (after a lost answer the same requester gets its grant back, with or without a step
+        key). ``parent_checkpoint_id``: the checkpoint the call descends from (its causal
+        step; see the proto)."""
         return self._call(
             rq.begin(
                 run,
@@ -177,6 +189,8 @@ class Client:
                 saga_id=saga_id,
                 compensation=compensation,
                 compensates_effect_id=compensates_effect_id,
+                request_id=request_id,
+                parent_checkpoint_id=parent_checkpoint_id,
             )
         )
 

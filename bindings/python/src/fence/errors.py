@@ -178,7 +178,9 @@ class FenceRefused(FenceError):
         field_violations: tuple[FieldViolation, ...] = (),
         details: StatusDetails | None = None,
     ) -> None:
-        super().__init__(f"{reason.name} ({recovery.name}): {message}")
+        # str() is the sentence for a model: frameworks show an exception's text to the model
+        # (LangGraph's ToolNode, MCP error results). The codes are in the attributes and repr.
+        super().__init__(message or f"{reason.name} ({recovery.name})")
         self.reason = reason
         self.recovery = recovery
         self.message = message
@@ -189,6 +191,9 @@ class FenceRefused(FenceError):
         self.code = code
         self.field_violations = field_violations
         self.details = details
+
+    def __repr__(self) -> str:
+        return f"FenceRefused({self.reason.name}, {self.recovery.name}, {self.message!r})"
 
     @classmethod
     def from_refusal(cls, refusal: Refusal) -> FenceRefused:

@@ -39,6 +39,7 @@ import inspect
 import json
 import threading
 import time
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Iterable, Iterator, Sequence, TypeVar, Union
 
@@ -90,6 +91,8 @@ RESERVED_KEYWORDS = frozenset(
         "fence_saga_id",
         "fence_compensation",
         "fence_compensates_effect_id",
+        "fence_parent_checkpoint_id",
+        "fence_request_id",
     }
 )
 """Call-time keywords a fenced function accepts (and does not pass to the function)."""
@@ -233,6 +236,8 @@ class _CallRequest:
     saga_id: str
     compensation: Compensation | None
     compensates_effect_id: str
+    request_id: str
+    parent_checkpoint_id: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     downstream_param: str | None
@@ -281,6 +286,10 @@ def _protocol(d: _ToolDef, c: _CallRequest) -> Generator[_Op, Any, Any]:
         saga_id=c.saga_id,
         compensation=c.compensation,
         compensates_effect_id=c.compensates_effect_id,
+        # One nonce per logical call, repeated on every re-send: a Begin whose answer was
+        # lost gets its own grant back instead of waiting out its lease.
+        request_id=c.request_id,
+        parent_checkpoint_id=c.parent_checkpoint_id,
     )
     backoff = _Backoff(d.wait)
     while True:
@@ -459,16 +468,13 @@ def _execute(
         raise exc
     try:
         encoded = d.encode(value)
-    except Exception as enc_err:
-        # The effect happened but its result cannot be recorded: fail closed (unknown).
-        try:
-            yield from _complete(d, ex, epoch, dict(unknown=f"result not encodable: {enc_err}"))
-        except FenceError:
-            pass
-        raise TypeError(
-            f"fence: the result of {d.name} could not be encoded; the effect {ex.effect_id} "
-            "is recorded EFFECT_UNKNOWN and must be reconciled"
-        ) from enc_err
+        returned = d.decode(encoded)
+    except Exception:
+        # The effect happened: that is the fact to record, never EFFECT_UNKNOWN. A result that
+        # cannot be encoded is recorded as its text (what a replay returns); this call returns
+        # the value itself.
+        encoded = _encode_json(_text_of(value))
+        returned = value
     try:
         yield from _complete(d, ex, epoch, dict(result=encoded))
     except FenceError as err:
@@ -479,7 +485,12 @@ def _execute(
             attempt=ex.attempt,
             epoch=epoch,
         ) from err
-    return d.decode(encoded)
+    return returned
+
+
+def _text_of(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 64 * 1024 else text[: 64 * 1024]
 
 
 _EXPECTED_STATE = {
@@ -643,6 +654,7 @@ class FencedTool:
         run: Run | Callable[[], Run] | None,
         downstream_key_arg: str | None,
         exclude: frozenset[str],
+        credential_args: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         self.fn = fn
@@ -664,7 +676,15 @@ class FencedTool:
         self.public_signature = signature.replace(
             parameters=[p for n, p in signature.parameters.items() if n != self.downstream_param]
         )
-        self.exclude = exclude
+        for name in credential_args:
+            if name not in signature.parameters:
+                raise TypeError(
+                    f"fenced: credential_args names {name!r}, which is not a parameter of "
+                    f"{fn.__qualname__}"
+                )
+        self.credential_args = credential_args
+        # A credential is authority, not intent: it is spent, never fingerprinted.
+        self.exclude = exclude | frozenset(credential_args)
 
     @property
     def name(self) -> str:
@@ -679,6 +699,11 @@ class FencedTool:
             )
         bound = self.public_signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        declared = tuple(
+            bound.arguments[name]
+            for name in self.credential_args
+            if bound.arguments.get(name) not in (None, "", b"")
+        )
         arguments: dict[str, Any] = {}
         for name, param in self.public_signature.parameters.items():
             if name in self.exclude or name not in bound.arguments:
@@ -717,11 +742,13 @@ class FencedTool:
             arguments_json=arguments_json,
             step_key=step_key or "",
             deliberate_repeat=bool(options.get("fence_deliberate_repeat", False)),
-            credentials=tuple(options.get("fence_credentials", ())),
+            credentials=tuple(options.get("fence_credentials", ())) + declared,
             lease_ms=int(options.get("fence_lease_ms", 0)),
             saga_id=options.get("fence_saga_id", ""),
             compensation=options.get("fence_compensation"),
             compensates_effect_id=options.get("fence_compensates_effect_id", ""),
+            request_id=options.get("fence_request_id") or uuid.uuid4().hex,
+            parent_checkpoint_id=options.get("fence_parent_checkpoint_id", ""),
             args=bound.args,
             kwargs=dict(bound.kwargs),
             downstream_param=self.downstream_param,
@@ -759,6 +786,7 @@ def fenced(
     decode: Callable[[bytes], Any] | None = None,
     wait: WaitPolicy | None = None,
     heartbeat: bool = True,
+    credential_args: Iterable[str] = (),
 ) -> Callable[[F], F]:
     """Fences a function (sync with :class:`fence.Client`, async with
     :class:`fence.AsyncClient`) as the tool ``tool``.
@@ -768,7 +796,9 @@ def fenced(
     else :func:`use_run`'s, else the decorator's ``run``), ``fence_step`` (step key
     ``{run_id}:{step}``) or ``fence_step_key`` (verbatim), ``fence_credentials`` (tokens, or
     ``(token, budget)`` pairs), ``fence_deliberate_repeat``, ``fence_lease_ms``,
-    ``fence_saga_id``, ``fence_compensation`` and ``fence_compensates_effect_id``.
+    ``fence_saga_id``, ``fence_compensation``, ``fence_compensates_effect_id``,
+    ``fence_parent_checkpoint_id`` (the checkpoint the call descends from) and
+    ``fence_request_id`` (default: a fresh nonce per call, repeated on its re-sends).
 
     Args:
         client: the client the calls go through.
@@ -786,6 +816,11 @@ def fenced(
         encode / decode: the result codec (default: JSON).
         wait: polling bounds for in-progress effects and transport failures.
         heartbeat: extend the lease while the function runs.
+        credential_args: parameters whose values are one-time credentials (approval tokens,
+            signed grants): each non-empty one is spent with the call (as
+            ``fence_credentials``), left out of the call's intent, and still passed to the
+            function. A spent approval presented again is refused ``CREDENTIAL_CONSUMED``
+            unless the call is the exact replay of the effect that spent it.
     """
     definition_args = dict(
         cls=OperationClass(cls),
@@ -802,10 +837,13 @@ def fenced(
         heartbeat=heartbeat,
     )
     excluded = frozenset(exclude)
+    credential_names = tuple(credential_args)
 
     def decorate(fn: F) -> F:
         definition = _ToolDef(name=tool or fn.__qualname__, **definition_args)  # type: ignore[arg-type]
-        ft = FencedTool(client, fn, definition, run, downstream_key_arg, excluded)
+        ft = FencedTool(
+            client, fn, definition, run, downstream_key_arg, excluded, credential_names
+        )
         if ft.is_async:
             if not isinstance(client, AsyncClient):
                 raise TypeError(f"fenced: async {fn.__qualname__} needs a fence.AsyncClient")

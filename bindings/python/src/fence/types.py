@@ -405,6 +405,7 @@ class Receipt:
     compensated_by_effect_id: str
     arguments_json: str
     deliberate_repeat: bool
+    parent_checkpoint_id: str = ""
 
     @classmethod
     def from_proto(cls, m: pb.Receipt) -> Receipt:
@@ -443,6 +444,7 @@ class Receipt:
             compensated_by_effect_id=m.compensated_by_effect_id,
             arguments_json=m.arguments_json,
             deliberate_repeat=m.deliberate_repeat,
+            parent_checkpoint_id=m.parent_checkpoint_id,
         )
 
     @classmethod
