@@ -375,6 +375,10 @@ pub fn canonical_number(text: &str) -> Result<String, CanonicalError> {
     let n = digits.len() as i64;
     // Digits before the decimal point in plain notation.
     let point = n + exp;
+    // The bound applies to the canonical spelling too, so that it parses again.
+    if (point - 1).abs() > MAX_EXPONENT {
+        return Err(invalid("has an exponent out of range"));
+    }
     if exp >= 0 && point <= MAX_PLAIN_INTEGER_DIGITS {
         out.push_str(digits);
         out.extend(std::iter::repeat_n('0', exp as usize));
@@ -549,6 +553,10 @@ mod tests {
         // Huge exponents are refused, not rounded.
         let huge = parse_arguments(r#"{"n":1e99999999999999999999}"#).unwrap_err();
         assert!(huge.to_string().contains("out of range"), "{huge}");
+        // Also where only the normalised exponent is past the bound (found by the fuzzer: the
+        // canonical form must parse again).
+        assert!(parse_arguments(r#"{"n":1e1000000000000000}"#).is_ok());
+        assert!(parse_arguments(r#"{"n":1000e1000000000000000}"#).is_err());
     }
 
     #[test]

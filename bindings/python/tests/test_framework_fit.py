@@ -182,3 +182,30 @@ def test_an_async_client_made_outside_a_loop_works_in_several_loops(server: Any,
         await client.close()
 
     asyncio.run(close())
+
+
+def test_get_tool_of_a_name_never_registered_is_not_found(client: fence.Client) -> None:
+    with pytest.raises(FenceRefused) as err:
+        client.get_tool("never.registered.tool")
+    assert err.value.reason == ReasonCode.UNKNOWN_RECORD
+    assert err.value.code is not None and err.value.code.name == "NOT_FOUND"
+
+
+def test_numbers_are_compared_exactly_end_to_end(client: fence.Client, run_id: str) -> None:
+    client.register_tool("ledger.post", OperationClass.NON_RETRYABLE)
+    run = Run(run_id)
+    first = client.begin(run, "ledger.post", '{"amount":100}')
+    assert isinstance(first.decision, fence.Execute)
+    client.complete(first.decision.effect_id, first.decision.attempt, first.epoch, result=b"1")
+    # One number spelled differently: the same intent.
+    same = client.begin(run, "ledger.post", '{"amount":1.00e+2}')
+    assert isinstance(same.decision, fence.Refusal)
+    assert same.decision.reason == ReasonCode.DUPLICATE_INTENT
+    # A different number that floating point would confuse: a new intent.
+    other = client.begin(run, "ledger.post", '{"amount":100.000000000000001}')
+    assert isinstance(other.decision, fence.Execute)
+    big = client.begin(run, "ledger.post", '{"amount":18446744073709551617}')
+    assert isinstance(big.decision, fence.Execute)
+    client.complete(big.decision.effect_id, big.decision.attempt, big.epoch, result=b"2")
+    bigger = client.begin(run, "ledger.post", '{"amount":18446744073709551616}')
+    assert isinstance(bigger.decision, fence.Execute)

@@ -420,13 +420,21 @@ impl<S: Store> Ledger<S> {
                 via: Via::Tape,
             });
         }
-        // 3. What abandoned lines of history did (see `match_carried`).
+        // 3. A repeat within the call's causal step, under no key or a new one: a retry of a
+        //    call this step already made is that call, before anything else could answer it.
+        let (count, same_step, latest) = self.repeated_intent(call)?;
+        if let Some(rec) = same_step
+            && let Some(m) = self.answer_repeat(call, rec)
+        {
+            return Ok(m);
+        }
+        // 4. What abandoned lines of history did (see `match_carried`).
         if let Some(m) = self.match_carried(call)? {
             return Ok(m);
         }
-        // 4. A repeat of a recorded intent under no key or a new one.
-        let (count, repeat) = self.repeated_intent(call)?;
-        if let Some(rec) = repeat
+        // 5. Without a key, a repeat of an intent anywhere on the lineage.
+        if call.cmd.step_key.is_empty()
+            && let Some(rec) = latest
             && let Some(m) = self.answer_repeat(call, rec)
         {
             return Ok(m);
@@ -461,27 +469,32 @@ impl<S: Store> Ledger<S> {
         Ok(None)
     }
 
-    /// How many effects of the call's intent its lineage holds, and the latest one a repeat
-    /// of it would be: for a call without a step key, the latest anywhere on the lineage; for
-    /// one under a new step key, the latest in the same causal step (descending from the same
-    /// checkpoint, or with no checkpoint between them). DEDUPLICATE calls under their own key
-    /// are new effects by definition, so they have none.
-    fn repeated_intent(&self, call: &Call<'_>) -> Result<(u32, Option<EffectRecord>)> {
+    /// How many effects of the call's intent its lineage holds, the latest one in the call's
+    /// causal step (descending from the same checkpoint, or with no checkpoint between
+    /// them), and the latest one anywhere on the lineage. DEDUPLICATE calls under their own
+    /// key are new effects by definition, so they have neither.
+    fn repeated_intent(
+        &self,
+        call: &Call<'_>,
+    ) -> Result<(u32, Option<EffectRecord>, Option<EffectRecord>)> {
         let entries = self.lineage_intent_entries(&call.rk, &call.run, call.branch, &call.fps)?;
         let count = entries.len() as u32;
-        let keyed = !call.cmd.step_key.is_empty();
-        if keyed && call.class() == OpClass::Deduplicate {
-            return Ok((count, None));
+        if !call.cmd.step_key.is_empty() && call.class() == OpClass::Deduplicate {
+            return Ok((count, None, None));
         }
         let mut latest_first = entries;
         latest_first.sort_unstable_by_key(|(_, e)| std::cmp::Reverse(e.seq));
+        let mut latest = None;
         for (b, entry) in latest_first {
             let rec = self.load_seq(&call.rk, entry.seq)?;
-            if !keyed || call.same_causal_step(&rec, b, entry.position) {
-                return Ok((count, Some(rec)));
+            if call.same_causal_step(&rec, b, entry.position) {
+                return Ok((count, Some(rec), None));
+            }
+            if latest.is_none() {
+                latest = Some(rec);
             }
         }
-        Ok((count, None))
+        Ok((count, None, latest))
     }
 
     /// How a repeat of `rec`'s intent under no step key or a new one is answered: from the
@@ -741,6 +754,16 @@ impl<S: Store> Ledger<S> {
                 rec_changed = true;
             }
         }
+        let in_this_log =
+            rec.branch == call.branch || rec.adopted.iter().any(|a| a.branch == call.branch);
+        if let Some(a) = rec.adopted.iter().find(|a| a.branch == call.branch) {
+            position = a.position;
+        }
+        // The effect answers a call descending from a checkpoint not saved yet: that checkpoint
+        // must come before it, as before a new effect.
+        if in_this_log && self.note_open_step(&mut call, position)? {
+            batch.put(keys::run(&call.rk), codec::encode(&call.run));
+        }
         let decision = match view.state() {
             State::Completed | State::Compensated => {
                 rec.replays += 1;
@@ -990,7 +1013,8 @@ impl<S: Store> Ledger<S> {
     /// Remembers where the first effect naming a not yet recorded checkpoint sits in the
     /// branch's log: the checkpoint, when it arrives late, is placed before it (see
     /// [`Ledger::checkpoint`]).
-    fn note_open_step(&self, call: &mut Call<'_>, position: u64) -> Result<()> {
+    /// Returns whether the run record changed.
+    fn note_open_step(&self, call: &mut Call<'_>, position: u64) -> Result<bool> {
         let parent = &call.cmd.parent_checkpoint_id;
         if parent.is_empty()
             || call
@@ -1003,7 +1027,7 @@ impl<S: Store> Ledger<S> {
                 .get(&keys::checkpoint(&call.rk, parent))?
                 .is_some()
         {
-            return Ok(());
+            return Ok(false);
         }
         let open = &mut call.run.branches[call.branch as usize].open_steps;
         if open.len() >= MAX_OPEN_STEPS {
@@ -1014,7 +1038,7 @@ impl<S: Store> Ledger<S> {
             checkpoint_id: parent.clone(),
             position,
         });
-        Ok(())
+        Ok(true)
     }
 
     /// The keyed hash a credential is stored under (the raw value never is).

@@ -1,0 +1,529 @@
+//! A property test of the rules a real agent framework meets (DESIGN.md, "The replay-or-fork
+//! rule"): a simulated agent runs steps of one or two parallel tool calls, saves each step's
+//! checkpoint on time or late (after the next step's calls, as LangGraph's default durability
+//! does), retries calls in flight and after they finished, and is restored to earlier
+//! checkpoints, where it re-issues the steps it had done, sometimes with one intent changed
+//! (then it forks, as a framework does on FORK_REQUIRED). Step keys follow a random policy:
+//! stable, absent, or new on every attempt (as model-minted tool-call ids are).
+//!
+//! Whatever the interleaving:
+//! - no recorded occurrence is executed twice: the world never holds more effects of an intent
+//!   than the agent made distinct calls of it (across retries, restores and forks);
+//! - a replay answers a call only with an effect of the same intent;
+//! - a call whose intent did not change is never refused FORK_REQUIRED.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+
+use common::*;
+use fence_server::ledger::runs::{CheckpointCmd, ForkCmd};
+use fence_server::ledger::{BeginCmd, Decision, OpClass, Outcome, Reason};
+use proptest::prelude::*;
+
+const PAY: &str = "pay";
+
+#[derive(Debug, Clone, Copy)]
+enum Keys {
+    /// The same key on every attempt of a call.
+    Stable,
+    /// No step key.
+    Absent,
+    /// A fresh key on every attempt.
+    NewPerAttempt,
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    /// The agent's next step: one or two parallel calls of distinct intents.
+    Step {
+        first: u8,
+        second: Option<u8>,
+        late_checkpoint: bool,
+        retry_in_flight: bool,
+    },
+    /// Re-send the last step's calls after they finished.
+    Retry,
+    /// Crash and restore to one of the recorded checkpoints of the current line; the agent
+    /// re-issues what it had done since, one call changed when `drift` says so.
+    Restore { to: usize, drift: Option<usize> },
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        5 => (0..4u8, prop::option::of(0..4u8), any::<bool>(), prop::bool::weighted(0.3))
+            .prop_map(|(first, second, late_checkpoint, retry_in_flight)| Event::Step {
+                first,
+                second: second.filter(|s| *s != first),
+                late_checkpoint,
+                retry_in_flight,
+            }),
+        1 => Just(Event::Retry),
+        2 => (0..8usize, prop::option::of(0..6usize)).prop_map(|(to, drift)| Event::Restore { to, drift }),
+    ]
+}
+
+fn keys() -> impl Strategy<Value = Keys> {
+    prop_oneof![
+        Just(Keys::Stable),
+        Just(Keys::Absent),
+        Just(Keys::NewPerAttempt)
+    ]
+}
+
+/// One call the agent makes: a logical id (stable across retries and re-issues) and an intent.
+#[derive(Debug, Clone)]
+struct LogicalCall {
+    id: u32,
+    intent: u32,
+}
+
+/// A step as the agent remembers it: the checkpoint it descended from and its calls.
+#[derive(Debug, Clone)]
+struct Step {
+    parent: String,
+    /// The branch it ran on.
+    branch: String,
+    /// It holds a call changed after a restore: re-issuing it again departs from any line
+    /// that still holds the original call.
+    changed: bool,
+    calls: Vec<LogicalCall>,
+    /// The checkpoint saved after it (recorded or, when late, still pending).
+    checkpoint: String,
+}
+
+struct Agent<'h> {
+    h: &'h Harness,
+    keys: Keys,
+    epoch: u64,
+    branch: String,
+    /// The steps of the current line of history, oldest first.
+    steps: Vec<Step>,
+    /// Checkpoints recorded on the current line: (name, index of the step it follows;
+    /// `None` = before the first step).
+    recorded: Vec<(String, Option<usize>)>,
+    /// A late checkpoint not yet saved: (name, parent).
+    pending: Option<(String, String)>,
+    next_id: u32,
+    next_cp: u32,
+    attempt_counter: u32,
+    /// Intent -> the distinct logical calls the agent made of it.
+    calls: HashMap<u32, HashSet<u32>>,
+    /// Intent -> the effects executed for it.
+    effects: HashMap<u32, HashSet<u64>>,
+    /// Since the last restore, the agent's history differs from the restored branch's (a
+    /// changed call, or steps it re-issues were done on another branch or changed before):
+    /// a call where a recorded effect is due may then rightly be refused FORK_REQUIRED.
+    diverged: bool,
+}
+
+fn args(intent: u32, attempt: u32) -> String {
+    format!(r#"{{"target":{intent},"nonce":{attempt}}}"#)
+}
+
+impl Agent<'_> {
+    fn key_for(&mut self, call: &LogicalCall) -> String {
+        self.attempt_counter += 1;
+        match self.keys {
+            Keys::Stable => format!("call-{}", call.id),
+            Keys::Absent => String::new(),
+            Keys::NewPerAttempt => format!("call-{}-attempt-{}", call.id, self.attempt_counter),
+        }
+    }
+
+    /// Begins one call; checks the answer; returns a grant to complete, if any.
+    fn begin(
+        &mut self,
+        call: &LogicalCall,
+        parent: &str,
+        changed: bool,
+    ) -> Result<Option<(String, u32)>, TestCaseError> {
+        let step_key = self.key_for(call);
+        self.calls.entry(call.intent).or_default().insert(call.id);
+        let cmd = BeginCmd {
+            epoch: self.epoch,
+            branch: self.branch.clone(),
+            parent_checkpoint_id: parent.to_owned(),
+            step_key,
+            request_id: format!("req-{}-{}", call.id, self.attempt_counter),
+            ..common::call("run", PAY, &args(call.intent, self.attempt_counter))
+        };
+        let answer = self.h.begin(&cmd);
+        trace(|| {
+            format!(
+                "call {} intent {} parent {parent} on {} epoch {} key {:?}: {}",
+                call.id,
+                call.intent,
+                self.branch,
+                self.epoch,
+                cmd.step_key,
+                answer.kind()
+            )
+        });
+        match answer {
+            Decision::Execute { receipt, .. } => {
+                // The n-th occurrence of an intent is executed at most once: the world never
+                // holds more effects of an intent than the agent made distinct calls of it.
+                // (A call may be answered with an equal effect another call of the same intent
+                // made: intent, not the agent's bookkeeping, is what identifies an occurrence.)
+                let effects = self.effects.entry(call.intent).or_default();
+                effects.insert(receipt.seq);
+                let calls = self.calls.get(&call.intent).map_or(0, HashSet::len);
+                prop_assert!(
+                    effects.len() <= calls,
+                    "intent {} executed {} times for {calls} calls (call {}, effects {effects:?})",
+                    call.intent,
+                    effects.len(),
+                    call.id
+                );
+                Ok(Some((receipt.id().to_string(), receipt.attempt)))
+            }
+            Decision::Replay(rec) => {
+                let recorded: serde_json::Value =
+                    serde_json::from_str(&rec.arguments_json).unwrap();
+                prop_assert_eq!(
+                    recorded["target"].as_u64(),
+                    Some(u64::from(call.intent)),
+                    "a call was answered with another intent's result"
+                );
+                Ok(None)
+            }
+            Decision::InProgress { .. } => Ok(None),
+            Decision::Refused(r) => {
+                prop_assert!(
+                    r.reason != Reason::ForkRequired || changed || self.diverged,
+                    "an unchanged call was refused FORK_REQUIRED: {r:?}"
+                );
+                if r.reason == Reason::ForkRequired {
+                    return Err(TestCaseError::Reject("fork".into()));
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    fn complete(&self, grant: (String, u32), intent: u32) {
+        self.h
+            .ledger
+            .complete(
+                T,
+                &grant.0,
+                grant.1,
+                self.epoch,
+                Outcome::Completed(format!("done-{intent}").into_bytes()),
+            )
+            .unwrap();
+    }
+
+    fn save(&mut self, name: &str, parent: &str) {
+        self.h
+            .ledger
+            .checkpoint(
+                T,
+                &CheckpointCmd {
+                    run_id: "run".into(),
+                    branch: self.branch.clone(),
+                    epoch: self.epoch,
+                    checkpoint_id: name.into(),
+                    parent_checkpoint_id: parent.into(),
+                },
+            )
+            .unwrap();
+        let after = self.steps.iter().position(|s| s.checkpoint == name);
+        self.recorded.push((name.to_owned(), after));
+    }
+
+    fn flush_pending(&mut self) {
+        if let Some((name, parent)) = self.pending.take() {
+            self.save(&name, &parent);
+        }
+    }
+
+    fn current_parent(&self) -> String {
+        match self.steps.last() {
+            Some(s) => s.checkpoint.clone(),
+            None => self.recorded[0].0.clone(),
+        }
+    }
+
+    /// Runs one step of calls; on FORK_REQUIRED for a changed call, forks and runs it there.
+    fn step(
+        &mut self,
+        calls: Vec<LogicalCall>,
+        changed: &[u32],
+        late: bool,
+        retry_in_flight: bool,
+        was_changed: bool,
+    ) -> Result<(), TestCaseError> {
+        let parent = self.current_parent();
+        let mut grants = Vec::new();
+        for c in &calls {
+            match self.begin(c, &parent, changed.contains(&c.id)) {
+                Ok(g) => grants.extend(g.map(|g| (g, c.intent))),
+                Err(TestCaseError::Reject(_)) => {
+                    // The framework forks at the checkpoint its state is at, then re-sends.
+                    self.flush_pending();
+                    let at = self.recorded.last().unwrap().0.clone();
+                    let forked = self
+                        .h
+                        .ledger
+                        .fork(
+                            T,
+                            &ForkCmd {
+                                run_id: "run".into(),
+                                checkpoint_id: at,
+                                epoch: self.epoch,
+                                new_branch: String::new(),
+                                reason: "intent changed".into(),
+                            },
+                        )
+                        .unwrap();
+                    self.branch = forked.branch.name;
+                    self.diverged = false;
+                    let g = self.begin(c, &parent, true)?;
+                    grants.extend(g.map(|g| (g, c.intent)));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // A late checkpoint of the previous step lands now, after this step's calls.
+        self.flush_pending();
+        if retry_in_flight {
+            for c in &calls {
+                let g = self.begin(c, &parent, false)?;
+                grants.extend(g.map(|g| (g, c.intent)));
+            }
+        }
+        for (g, intent) in grants {
+            self.complete(g, intent);
+        }
+        self.next_cp += 1;
+        let name = format!("cp-{}", self.next_cp);
+        self.steps.push(Step {
+            parent: parent.clone(),
+            branch: self.branch.clone(),
+            changed: was_changed || !changed.is_empty(),
+            calls,
+            checkpoint: name.clone(),
+        });
+        if late {
+            self.pending = Some((name, parent));
+        } else {
+            self.save(&name, &parent);
+        }
+        Ok(())
+    }
+}
+
+/// With FENCE_PROPS_TRACE set, prints what the agent does (to debug a shrunk failure).
+fn trace(line: impl FnOnce() -> String) {
+    if std::env::var_os("FENCE_PROPS_TRACE").is_some() {
+        eprintln!("{}", line());
+    }
+}
+
+/// Runs the agent through `events` under a step-key policy, checking every answer.
+fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
+    let h = harness();
+    h.tool(PAY, OpClass::NonRetryable, &["nonce"]);
+    let mut agent = Agent {
+        h: &h,
+        keys: policy,
+        epoch: 1,
+        branch: "main".into(),
+        steps: Vec::new(),
+        recorded: Vec::new(),
+        pending: None,
+        next_id: 0,
+        next_cp: 0,
+        attempt_counter: 0,
+        calls: HashMap::new(),
+        effects: HashMap::new(),
+        diverged: false,
+    };
+    agent.save("cp-0", "");
+    for ev in events {
+        match ev {
+            Event::Step {
+                first,
+                second,
+                late_checkpoint,
+                retry_in_flight,
+            } => {
+                let mut calls = Vec::new();
+                for intent in std::iter::once(first).chain(second) {
+                    agent.next_id += 1;
+                    calls.push(LogicalCall {
+                        id: agent.next_id,
+                        intent: u32::from(intent),
+                    });
+                }
+                agent.step(calls, &[], late_checkpoint, retry_in_flight, false)?;
+            }
+            Event::Retry => {
+                if let Some(last) = agent.steps.last().cloned() {
+                    for c in &last.calls {
+                        if let Some(g) = agent.begin(c, &last.parent, false)? {
+                            agent.complete(g, c.intent);
+                        }
+                    }
+                }
+            }
+            Event::Restore { to, drift } => {
+                // The crash loses a checkpoint not saved yet.
+                agent.pending = None;
+                let (name, after) = agent.recorded[to % agent.recorded.len()].clone();
+                let restored = h.ledger.restore(T, "run", &name, agent.epoch).unwrap();
+                let tape: Vec<u64> = restored.tape.iter().map(|r| r.seq).collect();
+                trace(|| format!("restore {name} -> {} tape {tape:?}", restored.branch));
+                agent.epoch = restored.epoch;
+                agent.branch = restored.branch;
+                let keep = after.map_or(0, |i| i + 1);
+                let redo: Vec<Step> = agent.steps.split_off(keep);
+                agent.diverged = redo.iter().any(|s| s.branch != agent.branch || s.changed);
+                agent.recorded.retain(|(_, a)| a.is_none_or(|i| i < keep));
+                // The restored agent re-issues what it had done since that checkpoint.
+                for (i, step) in redo.into_iter().enumerate() {
+                    let mut calls = step.calls.clone();
+                    let mut changed = Vec::new();
+                    if drift == Some(i) {
+                        agent.diverged = true;
+                        agent.next_id += 1;
+                        let c = &mut calls[0];
+                        *c = LogicalCall {
+                            id: agent.next_id,
+                            // An intent no other call has: a changed call is a new one.
+                            intent: 100 + agent.next_id,
+                        };
+                        changed.push(c.id);
+                    }
+                    agent.step(calls, &changed, false, false, step.changed)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn retries_restores_and_late_checkpoints_never_execute_a_call_twice(
+        policy in keys(),
+        events in prop::collection::vec(event(), 1..24),
+    ) {
+        run_agent(policy, events)?;
+    }
+}
+
+/// Found by the property: restores to a checkpoint on a line that forked and came back.
+#[test]
+fn restoring_across_forks_executes_no_call_twice() {
+    use Event::*;
+    let step = |first| Step {
+        first,
+        second: None,
+        late_checkpoint: false,
+        retry_in_flight: false,
+    };
+    let events = vec![
+        step(0),
+        step(0),
+        step(0),
+        step(1),
+        step(0),
+        step(1),
+        Restore {
+            to: 2,
+            drift: Some(3),
+        },
+        Restore {
+            to: 2,
+            drift: Some(1),
+        },
+        Restore { to: 3, drift: None },
+        step(0),
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property: a late checkpoint lost in a crash, and restores back to the start.
+#[test]
+fn a_lost_late_checkpoint_and_restores_to_the_start_execute_no_call_twice() {
+    use Event::*;
+    let step = |first, late_checkpoint| Step {
+        first,
+        second: None,
+        late_checkpoint,
+        retry_in_flight: false,
+    };
+    let events = vec![
+        step(0, true),
+        Restore {
+            to: 0,
+            drift: Some(0),
+        },
+        step(1, false),
+        Restore { to: 0, drift: None },
+        step(2, true),
+        step(0, false),
+        step(0, false),
+        Restore { to: 3, drift: None },
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property: a retry after a fork, then a restore past the fork point.
+#[test]
+fn a_retry_on_a_fork_then_a_restore_execute_no_call_twice() {
+    use Event::*;
+    let step = |first, second| Step {
+        first,
+        second,
+        late_checkpoint: false,
+        retry_in_flight: false,
+    };
+    let events = vec![
+        step(0, None),
+        step(0, None),
+        step(0, Some(2)),
+        Restore {
+            to: 0,
+            drift: Some(0),
+        },
+        Retry,
+        Restore { to: 0, drift: None },
+        step(2, None),
+        step(1, Some(2)),
+        Restore { to: 1, drift: None },
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property: stable keys, a changed call forked, then restores back along the
+/// original line.
+#[test]
+fn stable_keys_and_restores_along_the_original_line_need_no_fork() {
+    use Event::*;
+    let step = |first| Step {
+        first,
+        second: None,
+        late_checkpoint: false,
+        retry_in_flight: false,
+    };
+    let events = vec![
+        step(0),
+        step(0),
+        step(0),
+        step(0),
+        Restore {
+            to: 6,
+            drift: Some(1),
+        },
+        Restore { to: 1, drift: None },
+        Restore { to: 0, drift: None },
+        step(1),
+    ];
+    run_agent(Keys::Stable, events).unwrap();
+}
