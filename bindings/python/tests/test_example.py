@@ -44,3 +44,26 @@ def test_example_without_fence_pays_twice_and_fails(server: Any, tenant: str, tm
     assert "FAIL: the payment happened twice" in proc.stdout
     assert len(json.loads((tmp_path / "bank-ledger.json").read_text())) == 2
     assert len((tmp_path / "bank-ledger-requests.log").read_text().splitlines()) == 2
+
+
+LANGGRAPH_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "langgraph_agent.py"
+
+
+def run_langgraph_example(server: Any, tenant: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, FENCE_ADDR=server.addr, FENCE_TENANT=tenant)
+    return subprocess.run(
+        [sys.executable, str(LANGGRAPH_EXAMPLE), *extra], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_langgraph_example_transfers_once_with_fence(server: Any, tenant: str) -> None:
+    proc = run_langgraph_example(server, tenant)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bank transfers: [('bob', 100)]" in proc.stdout
+    assert "OK: paid exactly once" in proc.stdout
+
+
+def test_langgraph_example_without_fence_transfers_three_times(server: Any, tenant: str) -> None:
+    proc = run_langgraph_example(server, tenant, "--no-fence")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL: paid 3 times" in proc.stdout
