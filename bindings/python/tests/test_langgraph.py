@@ -159,7 +159,16 @@ def _shuffled(d: dict[str, Any]) -> dict[str, Any]:
 class Agent:
     """One LangGraph agent over a checkpointer, with Fence around it."""
 
-    def __init__(self, world: World, model: ScriptedModel, saver: Any, client: fence.Client | None, durability: str, use_async: bool) -> None:
+    def __init__(
+        self,
+        world: World,
+        model: ScriptedModel,
+        saver: Any,
+        client: fence.Client | None,
+        durability: str,
+        use_async: bool,
+        on_fork_required: str = "message",
+    ) -> None:
         self.world, self.model, self.durability, self.use_async = world, model, durability, use_async
         # One event loop for the agent's whole life, as an async application has.
         self.loop = asyncio.new_event_loop() if use_async else None
@@ -188,7 +197,12 @@ class Agent:
             # --- the integration: these lines are all a user writes -----------------------
             self.checkpointer = FenceCheckpointer(saver, client)
             tools = [
-                fenced_tool(transfer, self.checkpointer, volatile_fields=["reference", "timestamp"]),
+                fenced_tool(
+                    transfer,
+                    self.checkpointer,
+                    volatile_fields=["reference", "timestamp"],
+                    on_fork_required=on_fork_required,
+                ),
                 fenced_tool(create_server, self.checkpointer, volatile_fields=["request_id"]),
                 fenced_tool(pay, self.checkpointer, credential_args=["approval_token"]),
             ]
@@ -491,3 +505,78 @@ def test_without_fence_langgraph_repeats_effects_and_accepts_spent_approvals(sav
     agent.say("approvals", "approved pay shop 30")
     agent.rewind("approvals", "approved pay shop 30")
     assert len(world.payments) == 2  # the same signed approval, accepted twice
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_human_decides_a_changed_call_through_interrupt(client: fence.Client, use_async: bool) -> None:
+    world = World()
+    model = ScriptedModel()
+    agent = Agent(world, model, SaverKind("memory", Path()), client, "async", use_async, on_fork_required="interrupt")
+    thread = f"t-{uuid.uuid4().hex[:8]}"
+    config = {"configurable": {"thread_id": thread}}
+    agent.say(thread, "hello")
+    agent.say(thread, "pay bob 100")
+    model.drift = True
+    paused = agent.rewind(thread, "pay bob 100")
+    (question,) = paused["__interrupt__"]
+    assert question.value["fence"] == "FORK_REQUIRED" and question.value["arguments"]["amount"] == 101
+    assert world.transfers == [("bob", 100)]
+    # The human says no: the model reads the refusal; nothing is transferred.
+    declined = agent.invoke(Command(resume=False), config)
+    assert len(errors(declined)) == 1 and world.transfers == [("bob", 100)]
+    # Again, and this time the human approves the change: it is made on a new branch.
+    paused = agent.rewind(thread, "pay bob 100")
+    assert "__interrupt__" in paused
+    approved = agent.invoke(Command(resume="fork"), config)
+    assert errors(approved) == []
+    assert world.transfers == [("bob", 100), ("bob", 101)]
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
+def test_create_react_agent_streamed_with_pydantic_tools(client: fence.Client, use_async: bool) -> None:
+    from langgraph.prebuilt import create_react_agent
+    from pydantic import BaseModel
+
+    class Receipt(BaseModel):
+        tx: str
+        amount: int
+
+    class TransferArgs(BaseModel):
+        to: str
+        amount: int
+        reference: str
+        timestamp: float
+
+    sent: list[TransferArgs] = []
+
+    @tool(args_schema=TransferArgs)
+    def transfer(to: str, amount: int, reference: str, timestamp: float) -> Receipt:
+        """Transfer money."""
+        sent.append(TransferArgs(to=to, amount=amount, reference=reference, timestamp=timestamp))
+        return Receipt(tx=f"T{len(sent)}", amount=amount)
+
+    checkpointer = FenceCheckpointer(InMemorySaver(), client)
+    tools = [fenced_tool(transfer, checkpointer, volatile_fields=["reference", "timestamp"])]
+    graph = create_react_agent(ScriptedModel(), tools, checkpointer=checkpointer)
+    thread = f"t-{uuid.uuid4().hex[:8]}"
+    config = {"configurable": {"thread_id": thread}}
+    loop = asyncio.new_event_loop() if use_async else None
+
+    def stream(value: Any, cfg: dict[str, Any]) -> list[Any]:
+        if loop is not None:
+
+            async def collect() -> list[Any]:
+                return [c async for c in graph.astream(value, cfg, stream_mode="values")]
+
+            return loop.run_until_complete(collect())
+        return list(graph.stream(value, cfg, stream_mode="values"))
+
+    stream({"messages": [HumanMessage("hello")]}, config)
+    first = stream({"messages": [HumanMessage("pay bob 100")]}, config)[-1]
+    end_of_first_turn = [s for s in graph.get_state_history(config) if s.next == () and s.values.get("messages")][-1]
+    again = stream({"messages": [HumanMessage("pay bob 100")]}, end_of_first_turn.config)[-1]
+    assert len(sent) == 1
+    tool_results = [m.content for m in (*first["messages"], *again["messages"]) if isinstance(m, ToolMessage)]
+    assert len(tool_results) == 2 and tool_results[0] == tool_results[1]
+    assert "T1" in tool_results[1] and errors(again) == []

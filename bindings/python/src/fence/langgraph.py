@@ -196,6 +196,15 @@ class FenceCheckpointer(BaseCheckpointSaver):  # type: ignore[misc]
             with t.lock:
                 t.fork_at = err.checkpoint_id
 
+    def fork_now(self, config: RunnableConfig, checkpoint_id: str, reason: str) -> None:
+        """Forks the thread's run at ``checkpoint_id`` now (a human chose a changed call)."""
+        thread_id = _conf(config).get("thread_id")
+        if thread_id:
+            t = self._thread(str(thread_id))
+            with t.lock:
+                t.fork_at = None
+                self._fork(t, checkpoint_id, reason)
+
     def _on_load(self, config: RunnableConfig, loaded: CheckpointTuple | None) -> None:
         conf = _conf(config)
         thread_id = conf.get("thread_id")
@@ -384,6 +393,7 @@ def fenced_tool(
     credential_args: Sequence[str] = (),
     retention_ms: int = 0,
     lease_ms: int = 0,
+    on_fork_required: str = "message",
 ) -> StructuredTool:
     """A LangChain tool whose calls go through Fence (see the module docs).
 
@@ -393,7 +403,15 @@ def fenced_tool(
     (``volatile_fields`` the model rewrites on every generation: references, timestamps) and
     ``credential_args`` (parameters holding one-time approvals, spent with the call).
     A refusal is returned to the model as an error ``ToolMessage`` with its sentence.
+
+    ``on_fork_required="interrupt"`` lets a human decide a FORK_REQUIRED refusal (a call that
+    differs from what was done before time travel): the graph is interrupted with
+    ``{"fence": "FORK_REQUIRED", "tool", "arguments", "message", "recorded"}``; resuming with
+    ``True`` (or ``"fork"``) forks the thread's run and performs the changed call, anything
+    else returns the refusal to the model.
     """
+    if on_fork_required not in ("message", "interrupt"):
+        raise ValueError('fenced_tool: on_fork_required is "message" or "interrupt"')
     base = tool if isinstance(tool, BaseTool) else StructuredTool.from_function(tool)
     func = getattr(base, "func", None)
     coroutine = getattr(base, "coroutine", None)
@@ -420,26 +438,57 @@ def fenced_tool(
             fence_parent_checkpoint_id=parent,
         )
 
+    def human_chose_fork(config: RunnableConfig, err: FenceRefused, kwargs: dict[str, Any]) -> bool:
+        """Whether to fork and perform the changed call; otherwise the refusal stands."""
+        if err.reason != ReasonCode.FORK_REQUIRED or on_fork_required != "interrupt":
+            checkpointer.note_refusal(config, err)
+            return False
+        from langgraph.types import interrupt
+
+        answer = interrupt(
+            {
+                "fence": "FORK_REQUIRED",
+                "tool": base.name,
+                "arguments": rq.to_jsonable(kwargs),
+                "message": str(err),
+                "recorded": err.receipt.arguments_json if err.receipt is not None else "",
+            }
+        )
+        if answer is True or answer == "fork":
+            checkpointer.fork_now(config, err.checkpoint_id, f"a human chose the changed {base.name} call")
+            return True
+        checkpointer.note_refusal(config, err)
+        return False
+
     def run(config: RunnableConfig, **kwargs: Any) -> Any:
         if sync_call is None:
             raise ToolException(f"{base.name} can only be called asynchronously")
         try:
             return sync_call(**kwargs, **fence_options(config, kwargs))
         except FenceRefused as err:
-            checkpointer.note_refusal(config, err)
+            if not human_chose_fork(config, err, kwargs):
+                raise ToolException(str(err)) from err
+        try:
+            return sync_call(**kwargs, **fence_options(config, kwargs))
+        except FenceRefused as err:
             raise ToolException(str(err)) from err
 
     async def arun(config: RunnableConfig, **kwargs: Any) -> Any:
         nonlocal async_call
+        if coroutine is None:
+            return await asyncio.to_thread(run, config, **kwargs)
+        if async_call is None:
+            async_call = fenced(checkpointer.aclient, **options)(coroutine)
         try:
-            if coroutine is None:
-                return await asyncio.to_thread(run, config, **kwargs)
-            if async_call is None:
-                async_call = fenced(checkpointer.aclient, **options)(coroutine)
             opts = await asyncio.to_thread(fence_options, config, kwargs)
             return await async_call(**kwargs, **opts)
         except FenceRefused as err:
-            checkpointer.note_refusal(config, err)
+            if not human_chose_fork(config, err, kwargs):
+                raise ToolException(str(err)) from err
+        try:
+            opts = await asyncio.to_thread(fence_options, config, kwargs)
+            return await async_call(**kwargs, **opts)
+        except FenceRefused as err:
             raise ToolException(str(err)) from err
 
     return StructuredTool(
