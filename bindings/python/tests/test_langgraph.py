@@ -224,6 +224,16 @@ class Agent:
             return self.loop.run_until_complete(self.graph.ainvoke(value, config, durability=self.durability))
         return self.graph.invoke(value, config, durability=self.durability)
 
+    def get_state(self, config: dict[str, Any]) -> Any:
+        if self.loop is not None:
+            return self.loop.run_until_complete(self.graph.aget_state(config))
+        return self.graph.get_state(config)
+
+    def update_state(self, config: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+        if self.loop is not None:
+            return self.loop.run_until_complete(self.graph.aupdate_state(config, values))
+        return self.graph.update_state(config, values)
+
     def history(self, thread: str) -> list[Any]:
         config = {"configurable": {"thread_id": thread}}
         if self.loop is not None:
@@ -354,10 +364,11 @@ def test_a_drifted_amount_is_refused_to_the_model_and_a_new_turn_proceeds(client
     assert world.transfers == [("bob", 100), ("dave", 7)]
 
 
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("durability", DURABILITY)
-def test_the_same_transfer_in_two_user_turns_is_two_effects(client: fence.Client, saver: Any, durability: str) -> None:
+def test_the_same_transfer_in_two_user_turns_is_two_effects(client: fence.Client, saver: Any, durability: str, use_async: bool) -> None:
     world = World()
-    agent = Agent(world, ScriptedModel(), saver, client, durability, False)
+    agent = Agent(world, ScriptedModel(), saver, client, durability, use_async)
     thread = f"t-{uuid.uuid4().hex[:8]}"
     agent.say(thread, "pay bob 100")
     second = agent.say(thread, "pay bob 100")
@@ -365,16 +376,17 @@ def test_the_same_transfer_in_two_user_turns_is_two_effects(client: fence.Client
     assert world.transfers == [("bob", 100), ("bob", 100)]
 
 
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("durability", DURABILITY)
-def test_update_state_to_another_recipient_forks_and_a_cosmetic_edit_replays(client: fence.Client, saver: Any, durability: str) -> None:
+def test_update_state_to_another_recipient_forks_and_a_cosmetic_edit_replays(client: fence.Client, saver: Any, durability: str, use_async: bool) -> None:
     if durability == "exit":
         pytest.skip('"exit" saves no checkpoint between the model and the tools to edit')
     world = World()
-    agent = Agent(world, ScriptedModel(), saver, client, durability, False)
+    agent = Agent(world, ScriptedModel(), saver, client, durability, use_async)
     thread = f"t-{uuid.uuid4().hex[:8]}"
     agent.say(thread, "pay bob 100")
     before_tools = agent.before(thread, "tools")
-    state = agent.graph.get_state(before_tools)
+    state = agent.get_state(before_tools)
     ai: AIMessage = state.values["messages"][-1]
 
     def edited(**changes: Any) -> AIMessage:
@@ -383,20 +395,21 @@ def test_update_state_to_another_recipient_forks_and_a_cosmetic_edit_replays(cli
         return AIMessage(content="", tool_calls=[call], id=ai.id)
 
     # A cosmetic edit (only a volatile field): the same transfer, replayed.
-    cosmetic = agent.graph.update_state(before_tools, {"messages": [edited(reference="edited")]})
+    cosmetic = agent.update_state(before_tools, {"messages": [edited(reference="edited")]})
     assert errors(agent.invoke(None, cosmetic)) == []
     assert world.transfers == [("bob", 100)]
     # A human redirects the payment: an explicit new line of history, which executes.
-    redirected = agent.graph.update_state(before_tools, {"messages": [edited(to="carol")]})
+    redirected = agent.update_state(before_tools, {"messages": [edited(to="carol")]})
     assert errors(agent.invoke(None, redirected)) == []
     assert world.transfers == [("bob", 100), ("carol", 100)]
 
 
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("durability", DURABILITY)
-def test_nested_spec_drift_on_create_server_is_refused(client: fence.Client, saver: Any, durability: str) -> None:
+def test_nested_spec_drift_on_create_server_is_refused(client: fence.Client, saver: Any, durability: str, use_async: bool) -> None:
     world = World()
     model = ScriptedModel()
-    agent = Agent(world, model, saver, client, durability, False)
+    agent = Agent(world, model, saver, client, durability, use_async)
     thread = f"t-{uuid.uuid4().hex[:8]}"
     agent.say(thread, "hello")
     agent.say(thread, "server web1 2")
@@ -407,11 +420,12 @@ def test_nested_spec_drift_on_create_server_is_refused(client: fence.Client, sav
     assert [s["name"] for s in world.servers] == ["web1"]
 
 
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("durability", DURABILITY)
-def test_a_spent_approval_is_not_accepted_again(client: fence.Client, saver: Any, durability: str) -> None:
+def test_a_spent_approval_is_not_accepted_again(client: fence.Client, saver: Any, durability: str, use_async: bool) -> None:
     world = World()
     model = ScriptedModel()
-    agent = Agent(world, model, saver, client, durability, False)
+    agent = Agent(world, model, saver, client, durability, use_async)
     thread = f"t-{uuid.uuid4().hex[:8]}"
     agent.say(thread, "hello")
     agent.say(thread, "approved pay shop 30")
@@ -476,9 +490,9 @@ def test_a_restarted_process_continues_on_the_right_branch(client: fence.Client,
     agent.say(thread, "pay bob 100")
     # A fork by update_state, then the process dies.
     before_tools = agent.before(thread, "tools")
-    ai = agent.graph.get_state(before_tools).values["messages"][-1]
+    ai = agent.get_state(before_tools).values["messages"][-1]
     call = {**ai.tool_calls[0], "args": {**ai.tool_calls[0]["args"], "to": "carol"}}
-    forked = agent.graph.update_state(before_tools, {"messages": [AIMessage(content="", tool_calls=[call], id=ai.id)]})
+    forked = agent.update_state(before_tools, {"messages": [AIMessage(content="", tool_calls=[call], id=ai.id)]})
     agent.invoke(None, forked)
     conn.close()
 
