@@ -32,6 +32,13 @@ if [ -z "${FENCED_BIN:-}" ] && [ ! -x "$REPO/target/debug/fenced" ]; then
     (cd "$REPO" && cargo build -p fence-server --bin fenced)
   fi
 fi
+# The MCP gateway's tests run the real fence-mcp binary too.
+if [ -z "${FENCE_MCP_BIN:-}" ] && [ ! -x "$REPO/target/debug/fence-mcp" ]; then
+  if command -v cargo >/dev/null 2>&1; then
+    echo "run-tests.sh: $REPO/target/debug/fence-mcp missing; building it"
+    (cd "$REPO" && cargo build -p fence-mcp --bin fence-mcp)
+  fi
+fi
 
 cd "$HERE"
 set +e

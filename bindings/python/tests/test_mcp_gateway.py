@@ -1,0 +1,195 @@
+"""The MCP gateway (`fence-mcp`) between a real MCP client and a real MCP server (the `mcp`
+SDK from PyPI on both sides, over stdio), with the real Fence server: retries, re-issues,
+restores, read-only tools, malformed `_meta`, tenants.
+
+The gateway binary is ``$FENCE_MCP_BIN``, else ``<repo>/target/debug/fence-mcp``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+mcp = pytest.importorskip("mcp")
+
+from mcp import ClientSession, StdioServerParameters  # noqa: E402
+from mcp.client.stdio import stdio_client  # noqa: E402
+
+import fence  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+UPSTREAM = Path(__file__).resolve().parent / "mcp" / "upstream_server.py"
+
+
+def gateway_binary() -> Path:
+    raw = os.environ.get("FENCE_MCP_BIN")
+    path = Path(raw) if raw else REPO_ROOT / "target" / "debug" / "fence-mcp"
+    if not path.is_file():
+        pytest.fail(f"fence-mcp not found at {path}: cargo build -p fence-mcp", pytrace=False)
+    return path
+
+
+class World:
+    """The upstream server's effects, as it recorded them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def effects(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def run_session(args: list[str], world: World, body: Callable[[ClientSession], Awaitable[Any]]) -> Any:
+    """Starts the gateway (which starts the upstream server) and runs ``body`` in a session."""
+    params = StdioServerParameters(
+        command=str(gateway_binary()),
+        args=[*args, "--", sys.executable, str(UPSTREAM)],
+        env={**os.environ, "EFFECTS_FILE": str(world.path)},
+    )
+
+    async def main() -> Any:
+        async with stdio_client(params) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return await body(session)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path / "effects.jsonl")
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> list[str]:
+    """Gateway arguments for an embedded ledger in a temp dir."""
+    return ["--data-dir", str(tmp_path / "ledger")]
+
+
+def fence_of(result: Any) -> dict[str, Any]:
+    assert result.isError, result
+    return result.structuredContent["fence"]
+
+
+def test_tools_are_listed_through(world: World, embedded: list[str]) -> None:
+    async def body(s: ClientSession) -> Any:
+        return await s.list_tools()
+
+    names = {t.name for t in run_session(embedded, world, body).tools}
+    assert {"charge", "create_server", "read_balance"} <= names
+
+
+def test_a_reissued_call_with_volatile_drift_is_one_effect(world: World, embedded: list[str], tmp_path: Path) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text('[tools.charge]\nvolatile_fields = ["reference"]\n')
+
+    async def body(s: ClientSession) -> Any:
+        first = await s.call_tool("charge", {"customer": "bob", "amount": 5, "reference": str(uuid.uuid4())})
+        # The client's stream broke after the upstream commit; it re-issues the call as a new
+        # request, and the model wrote a new reference.
+        again = await s.call_tool("charge", {"customer": "bob", "amount": 5, "reference": str(uuid.uuid4())})
+        return first, again
+
+    first, again = run_session([*embedded, "--config", str(config)], world, body)
+    assert not first.isError and not again.isError
+    assert again.content[0].text == first.content[0].text
+    charges = world.effects("charge")
+    assert len(charges) == 1
+    # The upstream got the grant's downstream key in _meta.
+    assert charges[0]["downstream_key"].startswith("fence-")
+
+
+def test_a_reissue_on_a_new_connection_is_recognised(world: World, embedded: list[str]) -> None:
+    async def charge(s: ClientSession) -> Any:
+        return await s.call_tool("create_server", {"name": "web1", "cpu": 2})
+
+    first = run_session(embedded, world, charge)
+    again = run_session(embedded, world, charge)  # a new gateway process, same client
+    assert again.content[0].text == first.content[0].text
+    assert len(world.effects("create")) == 1
+
+
+def test_a_read_only_tool_passes_through_unrecorded(world: World, embedded: list[str]) -> None:
+    async def body(s: ClientSession) -> Any:
+        return [await s.call_tool("read_balance", {"customer": "bob"}) for _ in range(2)]
+
+    results = run_session(embedded, world, body)
+    assert all(not r.isError for r in results)
+    assert len(world.effects("read")) == 2
+
+
+def test_a_malformed_meta_is_a_clear_error_and_records_nothing(world: World, embedded: list[str]) -> None:
+    async def body(s: ClientSession) -> Any:
+        return await s.call_tool("charge", {"customer": "bob", "amount": 5, "reference": "r"}, meta={"dev.fence/epoch": "two"})
+
+    result = run_session(embedded, world, body)
+    info = fence_of(result)
+    assert info["reason"] == "INVALID_META" and "dev.fence/epoch" in info["detail"]
+    assert world.effects() == []
+
+
+def test_after_a_restore_a_changed_call_is_refused_structured_then_forked_once(server: Any, tenant: str, world: World, tmp_path: Path) -> None:
+    client = fence.Client(server.addr, tenant=tenant)
+    run = fence.Run(f"mcp-{uuid.uuid4().hex[:8]}")
+    client.checkpoint(run, "before-charge")
+    config = tmp_path / "gateway.toml"
+    config.write_text('[tools.charge]\nvolatile_fields = ["reference"]\n')
+    args = ["--fence-url", f"http://{server.addr}", "--tenant", tenant, "--config", str(config)]
+    meta = {"dev.fence/runId": run.run_id}
+
+    async def charge(s: ClientSession, amount: int, extra: dict[str, Any]) -> Any:
+        return await s.call_tool("charge", {"customer": "bob", "amount": amount, "reference": str(uuid.uuid4())}, meta={**meta, **extra})
+
+    async def first(s: ClientSession) -> Any:
+        return await charge(s, 5, {})
+
+    assert not run_session(args, world, first).isError
+    restored = client.restore(run, "before-charge")
+
+    async def drifted(s: ClientSession) -> Any:
+        return await charge(s, 50, {"dev.fence/epoch": restored.epoch})
+
+    refusal = fence_of(run_session(args, world, drifted))
+    assert refusal["reason"] == "FORK_REQUIRED" and refusal["checkpointId"] == "before-charge"
+    assert refusal["receipt"]["state"] == "COMPLETED"
+    # The host forks (its user chose the change) and calls again on the new branch: once.
+    branch = client.fork(run, "before-charge", reason="the user raised the amount")
+
+    async def on_fork(s: ClientSession) -> Any:
+        first = await charge(s, 50, {"dev.fence/epoch": restored.epoch, "dev.fence/branch": branch.name, "dev.fence/stepKey": "raise"})
+        again = await charge(s, 50, {"dev.fence/epoch": restored.epoch, "dev.fence/branch": branch.name, "dev.fence/stepKey": "raise"})
+        return first, again
+
+    done, again = run_session(args, world, on_fork)
+    assert not done.isError and not again.isError
+    assert again.content[0].text == done.content[0].text
+    assert [c["amount"] for c in world.effects("charge")] == [5, 50]
+    client.close()
+
+
+def test_two_tenants_do_not_see_each_other(server: Any, world: World) -> None:
+    a, b = f"mcp-a-{uuid.uuid4().hex[:6]}", f"mcp-b-{uuid.uuid4().hex[:6]}"
+
+    async def create(s: ClientSession) -> Any:
+        return await s.call_tool("create_server", {"name": "shared-name", "cpu": 1})
+
+    for tenant in (a, b):
+        assert not run_session(["--fence-url", f"http://{server.addr}", "--tenant", tenant], world, create).isError
+    # Each tenant's call was its own effect: neither replayed the other's.
+    assert len(world.effects("create")) == 2
+    with fence.Client(server.addr, tenant=a) as ca, fence.Client(server.addr, tenant=b) as cb:
+        effects_a = list(ca.iter_effects(fence.Run("mcp-default")))
+        effects_b = list(cb.iter_effects(fence.Run("mcp-default")))
+    assert len(effects_a) == 1 and len(effects_b) == 1
+    assert effects_a[0].effect_id != effects_b[0].effect_id

@@ -1,0 +1,141 @@
+//! `fence-mcp`: put Fence in front of any MCP server.
+//!
+//! ```text
+//! fence-mcp --data-dir ~/.fence-mcp -- npx -y @modelcontextprotocol/server-everything
+//! fence-mcp --fence-url https://fence.internal:50051 --token $FENCE_TOKEN -- python server.py
+//! ```
+//!
+//! The host (Claude Desktop/Code, an `mcp` SDK client...) launches this command instead of the
+//! upstream server's and talks MCP over stdio; the upstream server runs as a child process.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use fence_client::FenceClient;
+use fence_mcp::{Gateway, GatewayConfig};
+use rmcp::ServiceExt;
+use rmcp::transport::{TokioChildProcess, stdio};
+use tokio::net::TcpListener;
+
+/// Fence any MCP server's tools: each tools/call happens exactly once.
+#[derive(Debug, Parser)]
+#[command(name = "fence-mcp", version, about, long_about = None)]
+struct Args {
+    /// A Fence server to record effects in (e.g. http://127.0.0.1:50051). Without it, an
+    /// embedded ledger in --data-dir is used (the same server code, in this process).
+    #[arg(long, env = "FENCE_URL", conflicts_with = "data_dir")]
+    fence_url: Option<String>,
+
+    /// The embedded ledger's directory (used when no --fence-url is given).
+    #[arg(long, env = "FENCE_MCP_DATA_DIR", default_value = "fence-mcp-data")]
+    data_dir: PathBuf,
+
+    /// Bearer token for the Fence server (its tenant is the token's).
+    #[arg(long, env = "FENCE_TOKEN")]
+    token: Option<String>,
+
+    /// Tenant for a Fence server in dev mode (no tokens); ignored with a token.
+    #[arg(long, env = "FENCE_TENANT")]
+    tenant: Option<String>,
+
+    /// The run of calls whose `_meta` names none: one durable run for this client, so a call
+    /// re-issued on a new connection is still recognised.
+    #[arg(long, env = "FENCE_MCP_RUN_ID", default_value = "mcp-default")]
+    run_id: String,
+
+    /// A TOML file of per-tool settings (class, volatile fields, credential arguments,
+    /// retention, the argument that receives the downstream key).
+    #[arg(long, env = "FENCE_MCP_CONFIG")]
+    config: Option<PathBuf>,
+
+    /// How long after a call without a step key completed an identical call counts as its
+    /// re-issue (a broken stream re-sent with a new request id) and gets its result, in ms.
+    #[arg(long, default_value_t = 120_000)]
+    reissue_window_ms: u64,
+
+    /// The upstream MCP server's command and arguments (after `--`).
+    #[arg(last = true, required = true)]
+    upstream: Vec<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // stdout is the MCP channel: logs go to stderr.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let config = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            GatewayConfig::from_toml(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+        }
+        None => GatewayConfig::default(),
+    };
+    let url = match &args.fence_url {
+        Some(url) => url.clone(),
+        None => embedded_ledger(&args.data_dir).await?,
+    };
+    let mut builder = FenceClient::builder(url);
+    if let Some(token) = &args.token {
+        builder = builder.bearer_token(token.clone());
+    } else if let Some(tenant) = &args.tenant {
+        builder = builder.tenant(tenant.clone());
+    }
+    let fence = builder
+        .connect_lazy()
+        .context("configuring the Fence client")?;
+
+    let Some((program, rest)) = args.upstream.split_first() else {
+        bail!("give the upstream server's command after --");
+    };
+    let mut command = tokio::process::Command::new(program);
+    command.args(rest);
+    let upstream =
+        ().serve(TokioChildProcess::new(command).context("starting the upstream MCP server")?)
+            .await
+            .context("connecting to the upstream MCP server")?;
+
+    let gateway = Gateway::new(
+        upstream,
+        fence,
+        config,
+        args.run_id,
+        Duration::from_millis(args.reissue_window_ms),
+    );
+    let service = gateway
+        .serve(stdio())
+        .await
+        .context("serving MCP on stdio")?;
+    service.waiting().await?;
+    Ok(())
+}
+
+/// Starts the Fence server in this process on a loopback port, over `data_dir`; returns its
+/// URL. It is the same server code as `fenced`, so the embedded ledger has the same rules.
+async fn embedded_ledger(data_dir: &std::path::Path) -> anyhow::Result<String> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let config = fence_server::config::Config::try_parse_from([
+        "fenced".as_ref(),
+        "--listen".as_ref(),
+        addr.to_string().as_ref(),
+        "--data-dir".as_ref(),
+        data_dir.as_os_str(),
+    ])?;
+    tokio::spawn(async move {
+        if let Err(e) = fence_server::server::serve(listener, config, std::future::pending()).await
+        {
+            tracing::error!(error = %e, "the embedded Fence ledger stopped");
+            std::process::exit(1);
+        }
+    });
+    Ok(format!("http://{addr}"))
+}
