@@ -191,6 +191,8 @@ pub struct Gateway {
     /// How long after a keyless call completed an identical one counts as its re-issue (a
     /// broken stream re-sent on a new request id) and gets its result.
     reissue_window: Duration,
+    /// How long an upstream call may take; past it the outcome is unknown (it was sent).
+    upstream_timeout: Duration,
     /// Upstream tools by name (refreshed on every listing) and the tools registered on Fence.
     tools: Mutex<(HashMap<String, Tool>, HashMap<String, OperationClass>)>,
 }
@@ -203,6 +205,7 @@ impl Gateway {
         config: GatewayConfig,
         default_run: String,
         reissue_window: Duration,
+        upstream_timeout: Duration,
     ) -> Self {
         Gateway {
             upstream: Arc::new(upstream),
@@ -210,6 +213,7 @@ impl Gateway {
             config,
             default_run,
             reissue_window,
+            upstream_timeout,
             tools: Mutex::new((HashMap::new(), HashMap::new())),
         }
     }
@@ -367,7 +371,15 @@ impl Gateway {
                     .insert(arg.clone(), json!(key));
             }
         }
-        match self.upstream.call_tool_once(request).await {
+        let sent =
+            tokio::time::timeout(self.upstream_timeout, self.upstream.call_tool_once(request));
+        let Ok(answer) = sent.await else {
+            return Err(error_result(
+                "The tool did not answer in time.",
+                json!({"reason": "UPSTREAM_TIMEOUT"}),
+            ));
+        };
+        match answer {
             Ok(CallToolResponse::Complete(result)) => Ok(result),
             Ok(_) => Err(error_result(
                 "The tool asked for input this gateway cannot relay yet.",

@@ -55,6 +55,11 @@ struct Args {
     #[arg(long, default_value_t = 120_000)]
     reissue_window_ms: u64,
 
+    /// How long one upstream tool call may take, in ms. Past it the call may or may not have
+    /// happened: it is recorded unknown (never retried blind) and must be reconciled.
+    #[arg(long, env = "FENCE_MCP_UPSTREAM_TIMEOUT_MS", default_value_t = 60_000)]
+    upstream_timeout_ms: u64,
+
     /// The upstream MCP server's command and arguments (after `--`).
     #[arg(last = true, required = true)]
     upstream: Vec<String>,
@@ -109,6 +114,7 @@ async fn main() -> anyhow::Result<()> {
         config,
         args.run_id,
         Duration::from_millis(args.reissue_window_ms),
+        Duration::from_millis(args.upstream_timeout_ms),
     );
     let service = gateway
         .serve(stdio())

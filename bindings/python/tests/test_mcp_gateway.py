@@ -193,3 +193,18 @@ def test_two_tenants_do_not_see_each_other(server: Any, world: World) -> None:
         effects_b = list(cb.iter_effects(fence.Run("mcp-default")))
     assert len(effects_a) == 1 and len(effects_b) == 1
     assert effects_a[0].effect_id != effects_b[0].effect_id
+
+
+def test_an_upstream_timeout_is_unknown_and_a_retry_must_reconcile(world: World, embedded: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOW_SECONDS", "5")
+    args = [*embedded, "--upstream-timeout-ms", "500"]
+
+    async def body(s: ClientSession) -> Any:
+        call = {"customer": "slow", "amount": 9, "reference": "r1"}
+        return await s.call_tool("charge", call), await s.call_tool("charge", call)
+
+    first, retry = run_session(args, world, body)
+    # The call was sent and did not answer: it may have happened. Never retried blind.
+    assert fence_of(first)["reason"] == "RECONCILE_REQUIRED"
+    assert fence_of(retry)["reason"] == "RECONCILE_REQUIRED"
+    assert len(world.effects("charge")) == 1
