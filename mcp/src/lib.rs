@@ -12,6 +12,8 @@
 //! This module owns the gateway: the `_meta` convention ([`CallMeta`]), the per-tool
 //! configuration ([`GatewayConfig`]) and the MCP server handler ([`Gateway`]).
 
+pub mod tools;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -136,6 +138,10 @@ pub struct ToolSettings {
     /// Retention of finished effects in ms (0 = the server's default).
     #[serde(default)]
     pub retention_ms: u64,
+    /// The lease of a grant in ms (0 = the server's default): how long a call may run before
+    /// a caller that finds it still running is told its outcome is unknown.
+    #[serde(default)]
+    pub lease_ms: u64,
     /// An argument that receives the grant's downstream key (it is also sent in `_meta`).
     pub downstream_key_arg: Option<String>,
 }
@@ -193,6 +199,8 @@ pub struct Gateway {
     reissue_window: Duration,
     /// How long an upstream call may take; past it the outcome is unknown (it was sent).
     upstream_timeout: Duration,
+    /// List and serve the gateway's own tools (see [`tools`]).
+    fence_tools: bool,
     /// Upstream tools by name (refreshed on every listing) and the tools registered on Fence.
     tools: Mutex<(HashMap<String, Tool>, HashMap<String, OperationClass>)>,
 }
@@ -214,8 +222,17 @@ impl Gateway {
             default_run,
             reissue_window,
             upstream_timeout,
+            fence_tools: false,
             tools: Mutex::new((HashMap::new(), HashMap::new())),
         }
+    }
+
+    /// Lists and serves the gateway's own tools (`fence_checkpoint`, `fence_restore`,
+    /// `fence_fork`, `fence_outcome`).
+    #[must_use]
+    pub fn with_fence_tools(mut self, enabled: bool) -> Self {
+        self.fence_tools = enabled;
+        self
     }
 
     /// Registers the tool on Fence once (its class and intent schema), returning its class.
@@ -245,6 +262,7 @@ impl Gateway {
         let mut def = ToolDef::new(name, class);
         def.intent_schema = IntentSchema::default().volatile(volatile);
         def.retention_ms = settings.map_or(0, |s| s.retention_ms);
+        def.lease_ms = settings.map_or(0, |s| s.lease_ms);
         self.fence.register_tool(def).await?;
         tools.1.insert(name.to_owned(), class);
         Ok(class)
@@ -411,7 +429,7 @@ impl ServerHandler for Gateway {
         request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        let listed = self
+        let mut listed = self
             .upstream
             .list_tools(request)
             .await
@@ -419,6 +437,9 @@ impl ServerHandler for Gateway {
         let mut tools = self.tools.lock().await;
         for tool in &listed.tools {
             tools.0.insert(tool.name.to_string(), tool.clone());
+        }
+        if self.fence_tools && listed.next_cursor.is_none() {
+            listed.tools.extend(tools::definitions());
         }
         Ok(listed)
     }
@@ -428,6 +449,14 @@ impl ServerHandler for Gateway {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
+        if self.fence_tools {
+            let args = request.arguments.clone().unwrap_or_default();
+            if let Some(result) =
+                tools::call(&self.fence, &self.default_run, &request.name, &args).await
+            {
+                return Ok(CallToolResponse::Complete(result));
+            }
+        }
         let meta = context.meta.0.0.clone();
         Ok(CallToolResponse::Complete(
             self.fenced_call(request, &meta).await,

@@ -60,6 +60,12 @@ struct Args {
     #[arg(long, env = "FENCE_MCP_UPSTREAM_TIMEOUT_MS", default_value_t = 60_000)]
     upstream_timeout_ms: u64,
 
+    /// Also list the gateway's own tools (fence_checkpoint, fence_restore, fence_fork,
+    /// fence_outcome) so a host can checkpoint, restore and fork through MCP alone. Off by
+    /// default: a model should not time-travel by itself.
+    #[arg(long, env = "FENCE_MCP_FENCE_TOOLS")]
+    fence_tools: bool,
+
     /// The upstream MCP server's command and arguments (after `--`).
     #[arg(last = true, required = true)]
     upstream: Vec<String>,
@@ -115,7 +121,8 @@ async fn main() -> anyhow::Result<()> {
         args.run_id,
         Duration::from_millis(args.reissue_window_ms),
         Duration::from_millis(args.upstream_timeout_ms),
-    );
+    )
+    .with_fence_tools(args.fence_tools);
     let service = gateway
         .serve(stdio())
         .await

@@ -208,3 +208,105 @@ def test_an_upstream_timeout_is_unknown_and_a_retry_must_reconcile(world: World,
     assert fence_of(first)["reason"] == "RECONCILE_REQUIRED"
     assert fence_of(retry)["reason"] == "RECONCILE_REQUIRED"
     assert len(world.effects("charge")) == 1
+
+
+def test_a_host_checkpoints_restores_and_forks_through_the_gateway_tools(world: World, embedded: list[str], tmp_path: Path) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text('[tools.charge]\nvolatile_fields = ["reference"]\n')
+    args = [*embedded, "--config", str(config), "--fence-tools"]
+
+    def charge(amount: int, meta: dict[str, Any]) -> Callable[[ClientSession], Awaitable[Any]]:
+        async def body(s: ClientSession) -> Any:
+            return await s.call_tool("charge", {"customer": "ann", "amount": amount, "reference": str(uuid.uuid4())}, meta=meta)
+
+        return body
+
+    async def tools(s: ClientSession) -> Any:
+        return {t.name for t in (await s.list_tools()).tools}
+
+    assert {"fence_checkpoint", "fence_restore", "fence_fork", "fence_outcome"} <= run_session(args, world, tools)
+    assert "fence_restore" not in run_session(embedded, world, tools)  # hidden unless enabled
+
+    async def call(s: ClientSession, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        result = await s.call_tool(name, arguments)
+        assert not result.isError, result
+        return result.structuredContent
+
+    async def checkpoint(s: ClientSession) -> Any:
+        return await call(s, "fence_checkpoint", {"checkpoint_id": "cp-1"})
+
+    run_session(args, world, checkpoint)
+    assert not run_session(args, world, charge(10, {})).isError
+
+    async def restore(s: ClientSession) -> Any:
+        return await call(s, "fence_restore", {"checkpoint_id": "cp-1"})
+
+    restored = run_session(args, world, restore)
+    assert restored["epoch"] == 2 and len(restored["tape"]) == 1
+    # The same charge after the restore replays; a changed one is refused until a fork.
+    assert not run_session(args, world, charge(10, {"dev.fence/epoch": 2})).isError
+    run_session(args, world, restore)
+    refusal = fence_of(run_session(args, world, charge(20, {"dev.fence/epoch": 3})))
+    assert refusal["reason"] == "FORK_REQUIRED"
+
+    async def fork(s: ClientSession) -> Any:
+        return await call(s, "fence_fork", {"checkpoint_id": "cp-1", "epoch": 3, "new_branch": "bigger"})
+
+    assert run_session(args, world, fork)["branch"] == "bigger"
+    done = run_session(args, world, charge(20, {"dev.fence/epoch": 3, "dev.fence/branch": "bigger"}))
+    assert not done.isError
+    assert [c["amount"] for c in world.effects("charge")] == [10, 20]
+
+    async def outcome(s: ClientSession) -> Any:
+        return await call(s, "fence_outcome", {"effect_id": refusal["effectId"]})
+
+    assert run_session(args, world, outcome)["state"] == "COMPLETED"
+
+
+def test_the_gateway_killed_mid_call_loses_nothing_and_runs_nothing_twice(world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+    import subprocess
+    import time
+
+    data_dir = tmp_path / f"ledger-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "gateway.toml"
+    config.write_text("[tools.charge]\nlease_ms = 1500\n")
+    args = ["--data-dir", str(data_dir), "--config", str(config)]
+    monkeypatch.setenv("SLOW_SECONDS", "4")
+    done_call = {"customer": "bob", "amount": 1, "reference": "r-done"}
+    slow_call = {"customer": "slow", "amount": 2, "reference": "r-slow"}
+
+    seen: dict[str, Any] = {}
+
+    async def first(s: ClientSession) -> None:
+        seen["done"] = await s.call_tool("charge", done_call)
+        task = asyncio.ensure_future(s.call_tool("charge", slow_call))
+        # Once the upstream is inside the slow charge, kill -9 the gateway.
+        for _ in range(200):
+            if world.effects("charge")[1:]:
+                break
+            await asyncio.sleep(0.05)
+        pids = subprocess.run(["pgrep", "-f", str(data_dir)], capture_output=True, text=True).stdout.split()
+        gateway = [int(p) for p in pids if "fence-mcp" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert gateway, "the gateway process was not found"
+        for pid in gateway:
+            os.kill(pid, signal.SIGKILL)
+        seen["killed"] = True
+        await asyncio.wait_for(task, 10)  # the cut-off call never answers
+
+    # The session ends with the killed process; what matters is what the ledger kept.
+    with pytest.raises(BaseException):
+        run_session(args, world, first)
+    assert seen.get("killed") and not seen["done"].isError
+    time.sleep(0.2)
+
+    async def after(s: ClientSession) -> Any:
+        return await s.call_tool("charge", done_call), await s.call_tool("charge", slow_call)
+
+    replayed, slow = run_session(args, world, after)
+    # The acknowledged charge is still recorded: the re-issue gets its result, not a new charge.
+    assert not replayed.isError
+    assert replayed.content[0].text == seen["done"].content[0].text
+    # The charge cut off by the kill may have happened: unknown, never run again blind.
+    assert fence_of(slow)["reason"] == "RECONCILE_REQUIRED"
+    assert [c["customer"] for c in world.effects("charge")] == ["bob", "slow"]
