@@ -188,11 +188,14 @@ pub fn class_of(tool: Option<&Tool>, settings: Option<&ToolSettings>) -> Operati
     }
 }
 
-/// The gateway: an MCP server whose tools are the upstream server's, fenced.
+/// The gateway: an MCP server whose tools are the upstream server's, fenced. Cheap to clone:
+/// clones share the upstream connection, the Fence client and what they learned of the tools
+/// (the streamable HTTP transport makes one per session).
+#[derive(Clone)]
 pub struct Gateway {
     upstream: Arc<RunningService<RoleClient, ()>>,
     fence: FenceClient,
-    config: GatewayConfig,
+    config: Arc<GatewayConfig>,
     default_run: String,
     /// How long after a keyless call completed an identical one counts as its re-issue (a
     /// broken stream re-sent on a new request id) and gets its result.
@@ -202,8 +205,11 @@ pub struct Gateway {
     /// List and serve the gateway's own tools (see [`tools`]).
     fence_tools: bool,
     /// Upstream tools by name (refreshed on every listing) and the tools registered on Fence.
-    tools: Mutex<(HashMap<String, Tool>, HashMap<String, OperationClass>)>,
+    tools: Arc<Mutex<KnownTools>>,
 }
+
+/// Upstream tools by name, and the classes of those registered on Fence.
+type KnownTools = (HashMap<String, Tool>, HashMap<String, OperationClass>);
 
 impl Gateway {
     /// A gateway forwarding to `upstream` through `fence`.
@@ -218,12 +224,12 @@ impl Gateway {
         Gateway {
             upstream: Arc::new(upstream),
             fence,
-            config,
+            config: Arc::new(config),
             default_run,
             reissue_window,
             upstream_timeout,
             fence_tools: false,
-            tools: Mutex::new((HashMap::new(), HashMap::new())),
+            tools: Arc::new(Mutex::new((HashMap::new(), HashMap::new()))),
         }
     }
 

@@ -60,6 +60,11 @@ struct Args {
     #[arg(long, env = "FENCE_MCP_UPSTREAM_TIMEOUT_MS", default_value_t = 60_000)]
     upstream_timeout_ms: u64,
 
+    /// Serve MCP over streamable HTTP at http://ADDR/mcp instead of stdio (e.g.
+    /// 127.0.0.1:8931; port 0 picks a free port, printed on stdout).
+    #[arg(long, env = "FENCE_MCP_LISTEN")]
+    listen: Option<std::net::SocketAddr>,
+
     /// Also list the gateway's own tools (fence_checkpoint, fence_restore, fence_fork,
     /// fence_outcome) so a host can checkpoint, restore and fork through MCP alone. Off by
     /// default: a model should not time-travel by itself.
@@ -123,11 +128,43 @@ async fn main() -> anyhow::Result<()> {
         Duration::from_millis(args.upstream_timeout_ms),
     )
     .with_fence_tools(args.fence_tools);
-    let service = gateway
-        .serve(stdio())
+    match args.listen {
+        None => {
+            let service = gateway
+                .serve(stdio())
+                .await
+                .context("serving MCP on stdio")?;
+            service.waiting().await?;
+        }
+        Some(addr) => serve_http(gateway, addr).await?,
+    }
+    Ok(())
+}
+
+/// Serves the gateway over MCP's streamable HTTP transport at `/mcp` until Ctrl-C.
+async fn serve_http(gateway: Gateway, addr: std::net::SocketAddr) -> anyhow::Result<()> {
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    };
+    let service = StreamableHttpService::new(
+        move || Ok(gateway.clone()),
+        LocalSessionManager::default().into(),
+        StreamableHttpServerConfig::default(),
+    );
+    let router = axum::Router::new().nest_service("/mcp", service);
+    let listener = TcpListener::bind(addr)
         .await
-        .context("serving MCP on stdio")?;
-    service.waiting().await?;
+        .with_context(|| format!("listening on {addr}"))?;
+    // One line on stdout for whoever started us (port 0 picks one).
+    println!(
+        "fence-mcp listening on http://{}/mcp",
+        listener.local_addr()?
+    );
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
     Ok(())
 }
 

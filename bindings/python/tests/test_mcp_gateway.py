@@ -310,3 +310,39 @@ def test_the_gateway_killed_mid_call_loses_nothing_and_runs_nothing_twice(world:
     # The charge cut off by the kill may have happened: unknown, never run again blind.
     assert fence_of(slow)["reason"] == "RECONCILE_REQUIRED"
     assert [c["customer"] for c in world.effects("charge")] == ["bob", "slow"]
+
+
+def test_streamable_http_downstream_reissues_across_connections(world: World, tmp_path: Path) -> None:
+    import subprocess
+
+    from mcp.client.streamable_http import streamable_http_client
+
+    config = tmp_path / "gateway.toml"
+    config.write_text('[tools.charge]\nvolatile_fields = ["reference"]\n')
+    proc = subprocess.Popen(
+        [str(gateway_binary()), "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "http-ledger"),
+         "--config", str(config), "--", sys.executable, str(UPSTREAM)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "EFFECTS_FILE": str(world.path)},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("fence-mcp listening on "), line
+        url = line.split()[-1]
+
+        async def call_once() -> Any:
+            async with streamable_http_client(url) as (read, write, _):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    return await session.call_tool("charge", {"customer": "zoe", "amount": 3, "reference": str(uuid.uuid4())})
+
+        # The stream broke; the client re-issues on a new connection with a fresh reference.
+        first = asyncio.run(call_once())
+        again = asyncio.run(call_once())
+        assert not first.isError and not again.isError
+        assert again.content[0].text == first.content[0].text
+        assert len(world.effects("charge")) == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
