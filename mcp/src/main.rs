@@ -16,7 +16,7 @@ use clap::Parser;
 use fence_client::FenceClient;
 use fence_mcp::{Gateway, GatewayConfig};
 use rmcp::ServiceExt;
-use rmcp::transport::{TokioChildProcess, stdio};
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess, stdio};
 use tokio::net::TcpListener;
 
 /// Fence any MCP server's tools: each tools/call happens exactly once.
@@ -71,8 +71,18 @@ struct Args {
     #[arg(long, env = "FENCE_MCP_FENCE_TOOLS")]
     fence_tools: bool,
 
-    /// The upstream MCP server's command and arguments (after `--`).
-    #[arg(last = true, required = true)]
+    /// An upstream MCP server reached over streamable HTTP (e.g. http://127.0.0.1:8000/mcp),
+    /// instead of a command.
+    #[arg(long, env = "FENCE_MCP_UPSTREAM_URL")]
+    upstream_url: Option<String>,
+
+    /// The upstream MCP server's command and arguments (after `--`), started as a child
+    /// process speaking MCP on stdio.
+    #[arg(
+        last = true,
+        required_unless_present = "upstream_url",
+        conflicts_with = "upstream_url"
+    )]
     upstream: Vec<String>,
 }
 
@@ -109,15 +119,25 @@ async fn main() -> anyhow::Result<()> {
         .connect_lazy()
         .context("configuring the Fence client")?;
 
-    let Some((program, rest)) = args.upstream.split_first() else {
-        bail!("give the upstream server's command after --");
+    let upstream = match &args.upstream_url {
+        Some(url) => {
+            // HTTPS upstreams use ring, as the Fence client's TLS does.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            ().serve(StreamableHttpClientTransport::from_uri(url.as_str()))
+                .await
+                .with_context(|| format!("connecting to the upstream MCP server at {url}"))?
+        }
+        None => {
+            let Some((program, rest)) = args.upstream.split_first() else {
+                bail!("give the upstream server's command after --, or --upstream-url");
+            };
+            let mut command = tokio::process::Command::new(program);
+            command.args(rest);
+            ().serve(TokioChildProcess::new(command).context("starting the upstream MCP server")?)
+                .await
+                .context("connecting to the upstream MCP server")?
+        }
     };
-    let mut command = tokio::process::Command::new(program);
-    command.args(rest);
-    let upstream =
-        ().serve(TokioChildProcess::new(command).context("starting the upstream MCP server")?)
-            .await
-            .context("connecting to the upstream MCP server")?;
 
     let gateway = Gateway::new(
         upstream,

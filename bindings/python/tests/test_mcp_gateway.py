@@ -346,3 +346,43 @@ def test_streamable_http_downstream_reissues_across_connections(world: World, tm
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+def test_a_streamable_http_upstream_is_fenced(world: World, embedded: list[str]) -> None:
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    upstream = subprocess.Popen(
+        [sys.executable, str(UPSTREAM)],
+        env={**os.environ, "EFFECTS_FILE": str(world.path), "UPSTREAM_HTTP_PORT": str(port)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        params = StdioServerParameters(
+            command=str(gateway_binary()),
+            args=[*embedded, "--upstream-url", f"http://127.0.0.1:{port}/mcp"],
+            env=dict(os.environ),
+        )
+
+        async def main() -> Any:
+            async with stdio_client(params) as (read, write):
+                async with ClientSession(read, write) as s:
+                    await s.initialize()
+                    call = {"name": "web9", "cpu": 4}
+                    return await s.call_tool("create_server", call), await s.call_tool("create_server", call)
+
+        first, again = asyncio.run(main())
+        assert not first.isError and again.content[0].text == first.content[0].text
+        assert len(world.effects("create")) == 1
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=15)

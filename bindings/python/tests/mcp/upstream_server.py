@@ -47,4 +47,10 @@ def read_balance(customer: str) -> str:
 
 
 if __name__ == "__main__":
-    mcp.run()
+    if port := os.environ.get("UPSTREAM_HTTP_PORT"):
+        # Streamable HTTP at http://127.0.0.1:<port>/mcp.
+        mcp.settings.host = "127.0.0.1"
+        mcp.settings.port = int(port)
+        mcp.run(transport="streamable-http")
+    else:
+        mcp.run()
