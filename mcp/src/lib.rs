@@ -317,10 +317,10 @@ impl Gateway {
         }
         if class == OperationClass::SafeRetry {
             // Read-only: nothing to fence; forwarded as is.
-            return self
-                .forward(request, None, &settings)
-                .await
-                .unwrap_or_else(|e| e);
+            return match self.forward(request, None, &settings).await {
+                Ok(result) => result,
+                Err(failed) => failed.result,
+            };
         }
         let outcome = self
             .fence
@@ -334,7 +334,11 @@ impl Gateway {
                     {
                         Ok(result) => serde_json::to_vec(&result)
                             .map_err(|e| ToolError::Unknown(format!("result not encodable: {e}"))),
-                        Err(failed) => Err(ToolError::Unknown(text_of(&failed))),
+                        // Recorded as not having happened; the host gets this answer.
+                        Err(failed) if !failed.sent => {
+                            Err(ToolError::Rejected(text_of(&failed.result)))
+                        }
+                        Err(failed) => Err(ToolError::Unknown(text_of(&failed.result))),
                     }
                 }
             })
@@ -342,6 +346,10 @@ impl Gateway {
         match outcome {
             Ok(done) => decode_recorded(&done.result),
             Err(FenceError::Refused { refusal, .. }) => self.refused(*refusal),
+            Err(FenceError::ToolFailed { detail, .. }) => error_result(
+                "The tool did not act: it asked for input this gateway cannot relay yet.",
+                json!({"reason": "UPSTREAM_INPUT_REQUIRED", "detail": detail}),
+            ),
             Err(FenceError::EffectUnknown { receipt, detail }) => error_result(
                 "This action may or may not have happened (the tool did not answer). Do not retry it; tell the user it needs to be checked.",
                 json!({"reason": "RECONCILE_REQUIRED", "recovery": "RECONCILE", "effectId": receipt.effect_id, "detail": detail}),
@@ -375,13 +383,13 @@ impl Gateway {
     }
 
     /// Sends the call upstream, with the downstream key in `_meta` (and in the configured
-    /// argument). `Err` is a result to return as is: the call may have reached the tool.
+    /// argument). `Err` holds a result to return as is, and whether the tool may have acted.
     async fn forward(
         &self,
         mut request: CallToolRequestParams,
         downstream_key: Option<&str>,
         settings: &ToolSettings,
-    ) -> Result<CallToolResult, CallToolResult> {
+    ) -> Result<CallToolResult, Failed> {
         if let Some(key) = downstream_key {
             let mut meta = request.meta.take().unwrap_or_default();
             meta.0
@@ -398,22 +406,40 @@ impl Gateway {
         let sent =
             tokio::time::timeout(self.upstream_timeout, self.upstream.call_tool_once(request));
         let Ok(answer) = sent.await else {
-            return Err(error_result(
+            return Err(Failed::maybe_sent(error_result(
                 "The tool did not answer in time.",
                 json!({"reason": "UPSTREAM_TIMEOUT"}),
-            ));
+            )));
         };
         match answer {
             Ok(CallToolResponse::Complete(result)) => Ok(result),
-            Ok(_) => Err(error_result(
-                "The tool asked for input this gateway cannot relay yet.",
-                json!({"reason": "UNSUPPORTED_UPSTREAM_RESPONSE"}),
-            )),
-            Err(e) => Err(error_result(
+            // The tool asks for input (MRTR) or defers to a task before acting.
+            Ok(_) => Err(Failed {
+                result: error_result(
+                    "The tool asked for input this gateway cannot relay yet; nothing was done.",
+                    json!({"reason": "UPSTREAM_INPUT_REQUIRED"}),
+                ),
+                sent: false,
+            }),
+            Err(e) => Err(Failed::maybe_sent(error_result(
                 &format!("The tool did not answer: {e}"),
                 json!({"reason": "UPSTREAM_FAILED", "detail": e.to_string()}),
-            )),
+            ))),
         }
+    }
+}
+
+/// An upstream call that gave no result.
+struct Failed {
+    /// What to answer the host.
+    result: CallToolResult,
+    /// Whether the tool may have acted (the call was sent and no answer says otherwise).
+    sent: bool,
+}
+
+impl Failed {
+    fn maybe_sent(result: CallToolResult) -> Self {
+        Failed { result, sent: true }
     }
 }
 
