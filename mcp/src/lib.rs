@@ -233,6 +233,19 @@ impl Gateway {
         }
     }
 
+    /// The run of a call whose `_meta` names none: the gateway's default run, or over HTTP one
+    /// per client credential (its bearer token, hashed), so a re-issue on a new connection is
+    /// still the same client's call while two clients never replay each other's.
+    fn default_run_of(&self, client: Option<&str>) -> String {
+        match client {
+            None => self.default_run.clone(),
+            Some(token) => {
+                let hash = blake3::hash(token.as_bytes()).to_hex();
+                format!("{}-{}", self.default_run, &hash[..16])
+            }
+        }
+    }
+
     /// Lists and serves the gateway's own tools (`fence_checkpoint`, `fence_restore`,
     /// `fence_fork`, `fence_outcome`).
     #[must_use]
@@ -278,6 +291,7 @@ impl Gateway {
         &self,
         request: CallToolRequestParams,
         context_meta: &JsonObject,
+        client: Option<&str>,
     ) -> CallToolResult {
         let name = request.name.to_string();
         // The SDK hands a request's `_meta` to the handler in its context.
@@ -297,7 +311,7 @@ impl Gateway {
         let mut call = EffectCall::new(
             meta.run_id
                 .clone()
-                .unwrap_or_else(|| self.default_run.clone()),
+                .unwrap_or_else(|| self.default_run_of(client)),
             name.clone(),
             Value::Object(arguments.clone()).to_string(),
         );
@@ -490,8 +504,15 @@ impl ServerHandler for Gateway {
             }
         }
         let meta = context.meta.0.0.clone();
+        // Over streamable HTTP: the client's bearer credential, if it sent one.
+        let client = context
+            .extensions
+            .get::<http::request::Parts>()
+            .and_then(|parts| parts.headers.get(http::header::AUTHORIZATION))
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
         Ok(CallToolResponse::Complete(
-            self.fenced_call(request, &meta).await,
+            self.fenced_call(request, &meta, client.as_deref()).await,
         ))
     }
 

@@ -331,11 +331,15 @@ def test_streamable_http_downstream_reissues_across_connections(world: World, tm
         assert line.startswith("fence-mcp listening on "), line
         url = line.split()[-1]
 
-        async def call_once() -> Any:
-            async with streamable_http_client(url) as (read, write, _):
-                async with ClientSession(read, write) as session:
-                    await session.initialize()
-                    return await session.call_tool("charge", {"customer": "zoe", "amount": 3, "reference": str(uuid.uuid4())})
+        async def call_once(token: str | None = None) -> Any:
+            import httpx
+
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+                async with streamable_http_client(url, http_client=http) as (read, write, _):
+                    async with ClientSession(read, write) as session:
+                        await session.initialize()
+                        return await session.call_tool("charge", {"customer": "zoe", "amount": 3, "reference": str(uuid.uuid4())})
 
         # The stream broke; the client re-issues on a new connection with a fresh reference.
         first = asyncio.run(call_once())
@@ -343,6 +347,12 @@ def test_streamable_http_downstream_reissues_across_connections(world: World, tm
         assert not first.isError and not again.isError
         assert again.content[0].text == first.content[0].text
         assert len(world.effects("charge")) == 1
+        # Two authenticated clients each get their own durable run: the same call from each is
+        # its own effect, and each one's re-issue is recognised.
+        for token in ("client-a", "client-b"):
+            mine = asyncio.run(call_once(token))
+            assert asyncio.run(call_once(token)).content[0].text == mine.content[0].text
+        assert len(world.effects("charge")) == 3
     finally:
         proc.terminate()
         proc.wait(timeout=15)
