@@ -13,6 +13,7 @@
 //! configuration ([`GatewayConfig`]) and the MCP server handler ([`Gateway`]).
 
 pub mod tools;
+pub mod upstreams;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,11 +29,12 @@ use rmcp::model::{
     ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse,
     ServerCapabilities, Tool,
 };
-use rmcp::service::{RequestContext, RunningService};
-use rmcp::{ErrorData as McpError, RoleClient, RoleServer, ServerHandler};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
+pub use upstreams::{Upstream, Upstreams};
 
 /// The `_meta` key prefix of the gateway's request fields (see [`CallMeta`]).
 pub const META_PREFIX: &str = "dev.fence/";
@@ -146,19 +148,43 @@ pub struct ToolSettings {
     pub downstream_key_arg: Option<String>,
 }
 
+/// An upstream server named in the configuration file (`[upstreams.<name>]`): a command
+/// started as a child process speaking MCP on stdio, or a streamable HTTP URL.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamSettings {
+    /// The command and its arguments.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// The streamable HTTP endpoint.
+    pub url: Option<String>,
+}
+
 /// The gateway's configuration file.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct GatewayConfig {
-    /// Per-tool settings, by upstream tool name.
+    /// Per-tool settings, by the tool's name as listed (`<upstream>__<tool>` with several
+    /// upstreams).
     #[serde(default)]
     pub tools: HashMap<String, ToolSettings>,
+    /// Upstream servers by name (their tools are then namespaced); instead of the command
+    /// line's single upstream.
+    #[serde(default)]
+    pub upstreams: std::collections::BTreeMap<String, UpstreamSettings>,
 }
 
 impl GatewayConfig {
     /// Parses the TOML text of a configuration file.
     pub fn from_toml(text: &str) -> Result<Self, String> {
         let config: GatewayConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        for (name, up) in &config.upstreams {
+            if up.command.is_empty() == up.url.is_none() {
+                return Err(format!(
+                    "upstreams.{name}: give exactly one of command and url"
+                ));
+            }
+        }
         for (name, tool) in &config.tools {
             if let Some(class) = &tool.class
                 && OperationClass::from_str_name(class).is_none()
@@ -193,7 +219,7 @@ pub fn class_of(tool: Option<&Tool>, settings: Option<&ToolSettings>) -> Operati
 /// (the streamable HTTP transport makes one per session).
 #[derive(Clone)]
 pub struct Gateway {
-    upstream: Arc<RunningService<RoleClient, ()>>,
+    upstreams: Arc<Upstreams>,
     fence: FenceClient,
     config: Arc<GatewayConfig>,
     default_run: String,
@@ -212,9 +238,9 @@ pub struct Gateway {
 type KnownTools = (HashMap<String, Tool>, HashMap<String, OperationClass>);
 
 impl Gateway {
-    /// A gateway forwarding to `upstream` through `fence`.
+    /// A gateway forwarding to `upstreams` through `fence`.
     pub fn new(
-        upstream: RunningService<RoleClient, ()>,
+        upstreams: Upstreams,
         fence: FenceClient,
         config: GatewayConfig,
         default_run: String,
@@ -222,7 +248,7 @@ impl Gateway {
         upstream_timeout: Duration,
     ) -> Self {
         Gateway {
-            upstream: Arc::new(upstream),
+            upstreams: Arc::new(upstreams),
             fence,
             config: Arc::new(config),
             default_run,
@@ -261,7 +287,7 @@ impl Gateway {
             return Ok(*class);
         }
         if !tools.0.contains_key(name)
-            && let Ok(listed) = self.upstream.list_all_tools().await
+            && let Ok(listed) = self.upstreams.list_all_tools().await
         {
             tools.0 = listed
                 .into_iter()
@@ -302,6 +328,12 @@ impl Gateway {
                 return error_result(&why, json!({"reason": "INVALID_META", "detail": why}));
             }
         };
+        if self.upstreams.route(&name).is_none() {
+            return error_result(
+                &format!("There is no tool named {name:?}."),
+                json!({"reason": "UNKNOWN_TOOL"}),
+            );
+        }
         let class = match self.ensure_registered(&name).await {
             Ok(class) => class,
             Err(e) => return fence_unavailable(&e),
@@ -417,8 +449,21 @@ impl Gateway {
                     .insert(arg.clone(), json!(key));
             }
         }
-        let sent =
-            tokio::time::timeout(self.upstream_timeout, self.upstream.call_tool_once(request));
+        let public = request.name.to_string();
+        let Some((upstream, tool)) = self.upstreams.route(&public) else {
+            return Err(Failed {
+                result: error_result(
+                    &format!("There is no tool named {public:?}."),
+                    json!({"reason": "UNKNOWN_TOOL"}),
+                ),
+                sent: false,
+            });
+        };
+        request.name = tool.to_owned().into();
+        let sent = tokio::time::timeout(
+            self.upstream_timeout,
+            upstream.service.call_tool_once(request),
+        );
         let Ok(answer) = sent.await else {
             return Err(Failed::maybe_sent(error_result(
                 "The tool did not answer in time.",
@@ -459,11 +504,16 @@ impl Failed {
 
 impl ServerHandler for Gateway {
     fn get_info(&self) -> InitializeResult {
-        let upstream = self.upstream.peer_info();
         let mut caps = ServerCapabilities::builder().enable_tools().build();
-        if let Some(info) = upstream {
-            caps.prompts = info.capabilities.prompts.clone();
-            caps.resources = info.capabilities.resources.clone();
+        for up in self.upstreams.all() {
+            if let Some(info) = up.service.peer_info() {
+                if caps.prompts.is_none() {
+                    caps.prompts = info.capabilities.prompts.clone();
+                }
+                if caps.resources.is_none() {
+                    caps.resources = info.capabilities.resources.clone();
+                }
+            }
         }
         InitializeResult::new(caps).with_instructions(
             "Tools are fenced by Fence: a repeated or replayed call returns the recorded result instead of acting twice.",
@@ -476,7 +526,7 @@ impl ServerHandler for Gateway {
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
         let mut listed = self
-            .upstream
+            .upstreams
             .list_tools(request)
             .await
             .map_err(upstream_error)?;
@@ -521,7 +571,7 @@ impl ServerHandler for Gateway {
         request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, McpError> {
-        self.upstream
+        self.upstreams
             .list_prompts(request)
             .await
             .map_err(upstream_error)
@@ -532,7 +582,7 @@ impl ServerHandler for Gateway {
         request: GetPromptRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, McpError> {
-        self.upstream
+        self.upstreams
             .get_prompt(request)
             .await
             .map(GetPromptResponse::Complete)
@@ -544,7 +594,7 @@ impl ServerHandler for Gateway {
         request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, McpError> {
-        self.upstream
+        self.upstreams
             .list_resources(request)
             .await
             .map_err(upstream_error)
@@ -555,7 +605,7 @@ impl ServerHandler for Gateway {
         request: ReadResourceRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, McpError> {
-        self.upstream
+        self.upstreams
             .read_resource(request)
             .await
             .map(ReadResourceResponse::Complete)

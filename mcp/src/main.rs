@@ -14,8 +14,10 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Parser;
 use fence_client::FenceClient;
-use fence_mcp::{Gateway, GatewayConfig};
+use fence_mcp::{Gateway, GatewayConfig, Upstream, Upstreams};
+use rmcp::RoleClient;
 use rmcp::ServiceExt;
+use rmcp::service::RunningService;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess, stdio};
 use tokio::net::TcpListener;
 
@@ -77,12 +79,10 @@ struct Args {
     upstream_url: Option<String>,
 
     /// The upstream MCP server's command and arguments (after `--`), started as a child
-    /// process speaking MCP on stdio.
-    #[arg(
-        last = true,
-        required_unless_present = "upstream_url",
-        conflicts_with = "upstream_url"
-    )]
+    /// process speaking MCP on stdio. Several upstreams (their tools namespaced
+    /// `<name>__<tool>`) are named in --config instead (`[upstreams.<name>]`, with `command`
+    /// or `url`).
+    #[arg(last = true, conflicts_with = "upstream_url")]
     upstream: Vec<String>,
 }
 
@@ -119,28 +119,31 @@ async fn main() -> anyhow::Result<()> {
         .connect_lazy()
         .context("configuring the Fence client")?;
 
-    let upstream = match &args.upstream_url {
-        Some(url) => {
-            // HTTPS upstreams use ring, as the Fence client's TLS does.
-            let _ = rustls::crypto::ring::default_provider().install_default();
-            ().serve(StreamableHttpClientTransport::from_uri(url.as_str()))
-                .await
-                .with_context(|| format!("connecting to the upstream MCP server at {url}"))?
+    let mut list = Vec::new();
+    if !config.upstreams.is_empty() {
+        if args.upstream_url.is_some() || !args.upstream.is_empty() {
+            bail!("the upstreams are named in --config; give none on the command line");
         }
-        None => {
-            let Some((program, rest)) = args.upstream.split_first() else {
-                bail!("give the upstream server's command after --, or --upstream-url");
-            };
-            let mut command = tokio::process::Command::new(program);
-            command.args(rest);
-            ().serve(TokioChildProcess::new(command).context("starting the upstream MCP server")?)
+        for (name, up) in &config.upstreams {
+            let service = connect(up.url.as_deref(), &up.command)
                 .await
-                .context("connecting to the upstream MCP server")?
+                .with_context(|| format!("upstream {name:?}"))?;
+            list.push(Upstream {
+                name: name.clone(),
+                service,
+            });
         }
-    };
+    } else {
+        let service = connect(args.upstream_url.as_deref(), &args.upstream).await?;
+        list.push(Upstream {
+            name: String::new(),
+            service,
+        });
+    }
+    let upstreams = Upstreams::new(list).map_err(|e| anyhow::anyhow!(e))?;
 
     let gateway = Gateway::new(
-        upstream,
+        upstreams,
         fence,
         config,
         args.run_id,
@@ -159,6 +162,30 @@ async fn main() -> anyhow::Result<()> {
         Some(addr) => serve_http(gateway, addr).await?,
     }
     Ok(())
+}
+
+/// Connects to one upstream MCP server: over streamable HTTP at `url`, else as a child process
+/// running `command`.
+async fn connect(
+    url: Option<&str>,
+    command: &[String],
+) -> anyhow::Result<RunningService<RoleClient, ()>> {
+    if let Some(url) = url {
+        // HTTPS upstreams use ring, as the Fence client's TLS does.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        return ()
+            .serve(StreamableHttpClientTransport::from_uri(url))
+            .await
+            .with_context(|| format!("connecting to the upstream MCP server at {url}"));
+    }
+    let Some((program, rest)) = command.split_first() else {
+        bail!("give the upstream server's command after --, or --upstream-url");
+    };
+    let mut child = tokio::process::Command::new(program);
+    child.args(rest);
+    ().serve(TokioChildProcess::new(child).context("starting the upstream MCP server")?)
+        .await
+        .context("connecting to the upstream MCP server")
 }
 
 /// Serves the gateway over MCP's streamable HTTP transport at `/mcp` until Ctrl-C.

@@ -396,3 +396,40 @@ def test_a_streamable_http_upstream_is_fenced(world: World, embedded: list[str])
     finally:
         upstream.terminate()
         upstream.wait(timeout=15)
+
+
+def test_several_upstreams_are_namespaced(world: World, embedded: list[str], tmp_path: Path) -> None:
+    config = tmp_path / "gateway.toml"
+    upstream = json.dumps([sys.executable, str(UPSTREAM)])
+    config.write_text(
+        f"[upstreams.pay]\ncommand = {upstream}\n[upstreams.ops]\ncommand = {upstream}\n"
+        '[tools."pay__charge"]\nvolatile_fields = ["reference"]\n'
+        '[tools."ops__charge"]\nvolatile_fields = ["reference"]\n'
+    )
+    params = StdioServerParameters(
+        command=str(gateway_binary()),
+        args=[*embedded, "--config", str(config)],
+        env={**os.environ, "EFFECTS_FILE": str(world.path)},
+    )
+
+    async def main() -> Any:
+        async with stdio_client(params) as (read, write):
+            async with ClientSession(read, write) as s:
+                await s.initialize()
+                names = {t.name for t in (await s.list_tools()).tools}
+                call = lambda: {"customer": "kim", "amount": 7, "reference": str(uuid.uuid4())}  # noqa: E731
+                results = [
+                    await s.call_tool("pay__charge", call()),
+                    await s.call_tool("pay__charge", call()),
+                    await s.call_tool("ops__charge", call()),
+                    await s.call_tool("nope__charge", call()),
+                ]
+                return names, results
+
+    names, (first, again, other, unknown) = asyncio.run(main())
+    assert {"pay__charge", "ops__charge", "pay__read_balance", "ops__create_server"} <= names
+    assert not first.isError and again.content[0].text == first.content[0].text
+    assert not other.isError
+    assert fence_of(unknown)["reason"] == "UNKNOWN_TOOL"
+    # One charge per upstream: the re-issue on "pay" was recognised, "ops" is another tool.
+    assert len(world.effects("charge")) == 2
