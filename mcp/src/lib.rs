@@ -21,7 +21,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fence_client::{
     EffectCall, Error as FenceError, FenceClient, IntentSchema, OperationClass, Receipt, Refusal,
-    ToolDef, ToolError,
+    StringNormalization, ToolDef, ToolError,
 };
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, GetPromptRequestParams,
@@ -134,6 +134,12 @@ pub struct ToolSettings {
     /// Argument paths the model rewrites on every call (request ids, timestamps).
     #[serde(default)]
     pub volatile_fields: Vec<String>,
+    /// String argument paths compared after normalising (see `string_normalization`).
+    #[serde(default)]
+    pub normalized_fields: Vec<String>,
+    /// How `normalized_fields` are normalised: `"trim"` or `"trim_lowercase"` (default:
+    /// compared exactly).
+    pub string_normalization: Option<String>,
     /// Arguments holding one-time credentials: spent with the call, left out of its intent.
     #[serde(default)]
     pub credential_args: Vec<String>,
@@ -186,6 +192,11 @@ impl GatewayConfig {
             }
         }
         for (name, tool) in &config.tools {
+            if string_rule(tool.string_normalization.as_deref()).is_none() {
+                return Err(format!(
+                    "tools.{name}.string_normalization: use \"trim\" or \"trim_lowercase\""
+                ));
+            }
             if let Some(class) = &tool.class
                 && OperationClass::from_str_name(class).is_none()
             {
@@ -193,6 +204,16 @@ impl GatewayConfig {
             }
         }
         Ok(config)
+    }
+}
+
+/// The normalisation a configuration names (`None` for an unknown name).
+fn string_rule(name: Option<&str>) -> Option<StringNormalization> {
+    match name {
+        None | Some("exact") => Some(StringNormalization::Exact),
+        Some("trim") => Some(StringNormalization::Trim),
+        Some("trim_lowercase") => Some(StringNormalization::TrimLowercase),
+        Some(_) => None,
     }
 }
 
@@ -306,6 +327,14 @@ impl Gateway {
         }
         let mut def = ToolDef::new(name, class);
         def.intent_schema = IntentSchema::default().volatile(volatile);
+        if let Some(s) = settings
+            && !s.normalized_fields.is_empty()
+        {
+            let how = string_rule(s.string_normalization.as_deref()).unwrap_or_default();
+            def.intent_schema = def
+                .intent_schema
+                .normalized(s.normalized_fields.iter().cloned(), how);
+        }
         def.retention_ms = settings.map_or(0, |s| s.retention_ms);
         def.lease_ms = settings.map_or(0, |s| s.lease_ms);
         self.fence.register_tool(def).await?;
@@ -715,5 +744,11 @@ mod tests {
         assert_eq!(class_of(None, None), OperationClass::NonRetryable);
         assert!(GatewayConfig::from_toml("[tools.x]\nclass = \"SOMETIMES\"\n").is_err());
         assert!(GatewayConfig::from_toml("[tools.x]\nunknown = 1\n").is_err());
+        assert!(GatewayConfig::from_toml("[tools.x]\nstring_normalization = \"upper\"\n").is_err());
+        assert!(GatewayConfig::from_toml("[upstreams.a]\n").is_err());
+        assert!(
+            GatewayConfig::from_toml("[upstreams.a]\ncommand = [\"x\"]\nurl = \"http://y\"\n")
+                .is_err()
+        );
     }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use fence_client::FenceClient;
+use fence_client::{Certificate, ClientTlsConfig, FenceClient};
 use fence_mcp::{Gateway, GatewayConfig, Upstream, Upstreams};
 use rmcp::RoleClient;
 use rmcp::ServiceExt;
@@ -37,6 +37,10 @@ struct Args {
     /// Bearer token for the Fence server (its tenant is the token's).
     #[arg(long, env = "FENCE_TOKEN")]
     token: Option<String>,
+
+    /// PEM CA certificate to verify an https:// Fence server with (TLS).
+    #[arg(long, env = "FENCE_CA_CERT")]
+    fence_ca_cert: Option<PathBuf>,
 
     /// Tenant for a Fence server in dev mode (no tokens); ignored with a token.
     #[arg(long, env = "FENCE_TENANT")]
@@ -109,7 +113,15 @@ async fn main() -> anyhow::Result<()> {
         Some(url) => url.clone(),
         None => embedded_ledger(&args.data_dir).await?,
     };
-    let mut builder = FenceClient::builder(url);
+    let mut builder = FenceClient::builder(url.clone());
+    if url.starts_with("https://") || args.fence_ca_cert.is_some() {
+        let mut tls = ClientTlsConfig::new();
+        if let Some(path) = &args.fence_ca_cert {
+            let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            tls = tls.ca_certificate(Certificate::from_pem(pem));
+        }
+        builder = builder.tls(tls);
+    }
     if let Some(token) = &args.token {
         builder = builder.bearer_token(token.clone());
     } else if let Some(tenant) = &args.tenant {

@@ -433,3 +433,15 @@ def test_several_upstreams_are_namespaced(world: World, embedded: list[str], tmp
     assert fence_of(unknown)["reason"] == "UNKNOWN_TOOL"
     # One charge per upstream: the re-issue on "pay" was recognised, "ops" is another tool.
     assert len(world.effects("charge")) == 2
+
+
+def test_configured_string_normalisation_makes_spellings_one_intent(world: World, embedded: list[str], tmp_path: Path) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text('[tools.create_server]\nnormalized_fields = ["name"]\nstring_normalization = "trim_lowercase"\n')
+
+    async def body(s: ClientSession) -> Any:
+        return [await s.call_tool("create_server", {"name": name, "cpu": 2}) for name in ("Web1", " web1 ")]
+
+    first, again = run_session([*embedded, "--config", str(config)], world, body)
+    assert not first.isError and again.content[0].text == first.content[0].text
+    assert len(world.effects("create")) == 1
