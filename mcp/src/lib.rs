@@ -242,6 +242,9 @@ pub fn class_of(tool: Option<&Tool>, settings: Option<&ToolSettings>) -> Operati
 pub struct Gateway {
     upstreams: Arc<Upstreams>,
     fence: FenceClient,
+    /// With client tokens (streamable HTTP): each client's tenant, from its bearer token, and a
+    /// Fence client per tenant.
+    clients: Option<Arc<ClientTenants>>,
     config: Arc<GatewayConfig>,
     default_run: String,
     /// How long after a keyless call completed an identical one counts as its re-issue (a
@@ -255,8 +258,59 @@ pub struct Gateway {
     tools: Arc<Mutex<KnownTools>>,
 }
 
-/// Upstream tools by name, and the classes of those registered on Fence.
-type KnownTools = (HashMap<String, Tool>, HashMap<String, OperationClass>);
+/// Upstream tools by name, and the classes of those registered on Fence (by tenant and name).
+type KnownTools = (
+    HashMap<String, Tool>,
+    HashMap<(String, String), OperationClass>,
+);
+
+/// Makes the Fence client of one tenant.
+pub type ClientFactory = dyn Fn(&str) -> Result<FenceClient, FenceError> + Send + Sync;
+
+/// Clients authenticated by bearer token (the same file format as `fenced`'s tokens file),
+/// each recorded in its own Fence tenant.
+pub struct ClientTenants {
+    auth: fence_server::auth::Auth,
+    make: Box<ClientFactory>,
+    by_tenant: std::sync::Mutex<HashMap<String, FenceClient>>,
+}
+
+impl ClientTenants {
+    /// Clients from a tokens file's `auth`; `make` builds a tenant's Fence client.
+    pub fn new(auth: fence_server::auth::Auth, make: Box<ClientFactory>) -> Self {
+        ClientTenants {
+            auth,
+            make,
+            by_tenant: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The tenant and Fence client of the client presenting `authorization`; `Err` is the
+    /// reason it is not accepted.
+    fn resolve(&self, authorization: Option<&str>) -> Result<(String, FenceClient), String> {
+        let mut request = tonic::Request::new(());
+        if let Some(value) = authorization {
+            let value = value
+                .parse()
+                .map_err(|_| "the authorization header is not valid".to_owned())?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        let request = self
+            .auth
+            .authenticate(request)
+            .map_err(|status| status.message().to_owned())?;
+        let tenant = fence_server::auth::tenant_of(&request)
+            .map_err(|status| status.message().to_owned())?
+            .to_string();
+        let mut clients = self.by_tenant.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(client) = clients.get(&tenant) {
+            return Ok((tenant, client.clone()));
+        }
+        let client = (self.make)(&tenant).map_err(|e| e.to_string())?;
+        clients.insert(tenant.clone(), client.clone());
+        Ok((tenant, client))
+    }
+}
 
 impl Gateway {
     /// A gateway forwarding to `upstreams` through `fence`.
@@ -271,6 +325,7 @@ impl Gateway {
         Gateway {
             upstreams: Arc::new(upstreams),
             fence,
+            clients: None,
             config: Arc::new(config),
             default_run,
             reissue_window,
@@ -286,10 +341,30 @@ impl Gateway {
     fn default_run_of(&self, client: Option<&str>) -> String {
         match client {
             None => self.default_run.clone(),
-            Some(token) => {
-                let hash = blake3::hash(token.as_bytes()).to_hex();
+            Some(authorization) => {
+                // The token's blake3 (as in a tokens file), shortened: `<run-id>-<16 hex>`.
+                let token = authorization
+                    .strip_prefix("Bearer ")
+                    .unwrap_or(authorization);
+                let hash = blake3::hash(token.trim().as_bytes()).to_hex();
                 format!("{}-{}", self.default_run, &hash[..16])
             }
+        }
+    }
+
+    /// Authenticates clients by bearer token and records each in its own Fence tenant (see
+    /// [`ClientTenants`]).
+    #[must_use]
+    pub fn with_client_tenants(mut self, clients: ClientTenants) -> Self {
+        self.clients = Some(Arc::new(clients));
+        self
+    }
+
+    /// The Fence client (and its tenant's name, "" for the gateway's own) for a client.
+    fn fence_for(&self, authorization: Option<&str>) -> Result<(String, FenceClient), String> {
+        match &self.clients {
+            None => Ok((String::new(), self.fence.clone())),
+            Some(clients) => clients.resolve(authorization),
         }
     }
 
@@ -302,9 +377,15 @@ impl Gateway {
     }
 
     /// Registers the tool on Fence once (its class and intent schema), returning its class.
-    async fn ensure_registered(&self, name: &str) -> Result<OperationClass, FenceError> {
+    async fn ensure_registered(
+        &self,
+        fence: &FenceClient,
+        tenant: &str,
+        name: &str,
+    ) -> Result<OperationClass, FenceError> {
+        let key = (tenant.to_owned(), name.to_owned());
         let mut tools = self.tools.lock().await;
-        if let Some(class) = tools.1.get(name) {
+        if let Some(class) = tools.1.get(&key) {
             return Ok(*class);
         }
         if !tools.0.contains_key(name)
@@ -337,8 +418,8 @@ impl Gateway {
         }
         def.retention_ms = settings.map_or(0, |s| s.retention_ms);
         def.lease_ms = settings.map_or(0, |s| s.lease_ms);
-        self.fence.register_tool(def).await?;
-        tools.1.insert(name.to_owned(), class);
+        fence.register_tool(def).await?;
+        tools.1.insert(key, class);
         Ok(class)
     }
 
@@ -363,7 +444,16 @@ impl Gateway {
                 json!({"reason": "UNKNOWN_TOOL"}),
             );
         }
-        let class = match self.ensure_registered(&name).await {
+        let (tenant, fence) = match self.fence_for(client) {
+            Ok(found) => found,
+            Err(why) => {
+                return error_result(
+                    "This client is not allowed to use these tools.",
+                    json!({"reason": "UNAUTHENTICATED", "detail": why}),
+                );
+            }
+        };
+        let class = match self.ensure_registered(&fence, &tenant, &name).await {
             Ok(class) => class,
             Err(e) => return fence_unavailable(&e),
         };
@@ -397,8 +487,7 @@ impl Gateway {
                 Err(failed) => failed.result,
             };
         }
-        let outcome = self
-            .fence
+        let outcome = fence
             .run_effect(&call, |ctx| {
                 let request = request.clone();
                 let settings = settings.clone();
@@ -574,15 +663,6 @@ impl ServerHandler for Gateway {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
-        if self.fence_tools {
-            let args = request.arguments.clone().unwrap_or_default();
-            if let Some(result) =
-                tools::call(&self.fence, &self.default_run, &request.name, &args).await
-            {
-                return Ok(CallToolResponse::Complete(result));
-            }
-        }
-        let meta = context.meta.0.0.clone();
         // Over streamable HTTP: the client's bearer credential, if it sent one.
         let client = context
             .extensions
@@ -590,6 +670,20 @@ impl ServerHandler for Gateway {
             .and_then(|parts| parts.headers.get(http::header::AUTHORIZATION))
             .and_then(|value| value.to_str().ok())
             .map(str::to_owned);
+        if self.fence_tools && tools::NAMES.contains(&request.name.as_ref()) {
+            let args = request.arguments.clone().unwrap_or_default();
+            let result = match self.fence_for(client.as_deref()) {
+                Ok((_, fence)) => tools::call(&fence, &self.default_run, &request.name, &args)
+                    .await
+                    .unwrap_or_else(|| unreachable!("a gateway tool name")),
+                Err(why) => error_result(
+                    "This client is not allowed to use these tools.",
+                    json!({"reason": "UNAUTHENTICATED", "detail": why}),
+                ),
+            };
+            return Ok(CallToolResponse::Complete(result));
+        }
+        let meta = context.meta.0.0.clone();
         Ok(CallToolResponse::Complete(
             self.fenced_call(request, &meta, client.as_deref()).await,
         ))

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Parser;
 use fence_client::{Certificate, ClientTlsConfig, FenceClient};
-use fence_mcp::{Gateway, GatewayConfig, Upstream, Upstreams};
+use fence_mcp::{ClientTenants, Gateway, GatewayConfig, Upstream, Upstreams};
 use rmcp::RoleClient;
 use rmcp::ServiceExt;
 use rmcp::service::RunningService;
@@ -71,6 +71,12 @@ struct Args {
     #[arg(long, env = "FENCE_MCP_LISTEN")]
     listen: Option<std::net::SocketAddr>,
 
+    /// With --listen: clients must present a bearer token listed in this file (`fenced`'s
+    /// format: `<tenant> <blake3-hex-of-token> [revoked]` per line), and each client's effects
+    /// are recorded in its tenant, which other clients cannot see.
+    #[arg(long, env = "FENCE_MCP_CLIENT_TOKENS_FILE", requires = "listen")]
+    client_tokens_file: Option<PathBuf>,
+
     /// Also list the gateway's own tools (fence_checkpoint, fence_restore, fence_fork,
     /// fence_outcome) so a host can checkpoint, restore and fork through MCP alone. Off by
     /// default: a model should not time-travel by itself.
@@ -113,15 +119,27 @@ async fn main() -> anyhow::Result<()> {
         Some(url) => url.clone(),
         None => embedded_ledger(&args.data_dir).await?,
     };
-    let mut builder = FenceClient::builder(url.clone());
+    let mut tls = None;
     if url.starts_with("https://") || args.fence_ca_cert.is_some() {
-        let mut tls = ClientTlsConfig::new();
+        let mut config = ClientTlsConfig::new();
         if let Some(path) = &args.fence_ca_cert {
             let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            tls = tls.ca_certificate(Certificate::from_pem(pem));
+            config = config.ca_certificate(Certificate::from_pem(pem));
         }
-        builder = builder.tls(tls);
+        tls = Some(config);
     }
+    let base = {
+        let url = url.clone();
+        let tls = tls.clone();
+        move || {
+            let builder = FenceClient::builder(url.clone());
+            match &tls {
+                Some(tls) => builder.tls(tls.clone()),
+                None => builder,
+            }
+        }
+    };
+    let mut builder = base();
     if let Some(token) = &args.token {
         builder = builder.bearer_token(token.clone());
     } else if let Some(tenant) = &args.tenant {
@@ -154,6 +172,20 @@ async fn main() -> anyhow::Result<()> {
     }
     let upstreams = Upstreams::new(list).map_err(|e| anyhow::anyhow!(e))?;
 
+    let client_tenants = match &args.client_tokens_file {
+        None => None,
+        Some(path) => {
+            if args.token.is_some() {
+                bail!(
+                    "--client-tokens-file records each client in its own tenant, which needs a Fence server in dev mode or the embedded ledger, not --token"
+                );
+            }
+            let auth = fence_server::auth::Auth::from_tokens_file(path)?;
+            let make = move |tenant: &str| base().tenant(tenant.to_owned()).connect_lazy();
+            Some(ClientTenants::new(auth, Box::new(make)))
+        }
+    };
+
     let gateway = Gateway::new(
         upstreams,
         fence,
@@ -163,6 +195,10 @@ async fn main() -> anyhow::Result<()> {
         Duration::from_millis(args.upstream_timeout_ms),
     )
     .with_fence_tools(args.fence_tools);
+    let gateway = match client_tenants {
+        Some(clients) => gateway.with_client_tenants(clients),
+        None => gateway,
+    };
     match args.listen {
         None => {
             let service = gateway

@@ -445,3 +445,59 @@ def test_configured_string_normalisation_makes_spellings_one_intent(world: World
     first, again = run_session([*embedded, "--config", str(config)], world, body)
     assert not first.isError and again.content[0].text == first.content[0].text
     assert len(world.effects("create")) == 1
+
+
+def test_http_clients_with_tokens_are_recorded_in_their_own_tenants(world: World, server: Any, tmp_path: Path) -> None:
+    import hashlib
+    import subprocess
+
+    import httpx
+    from mcp.client.streamable_http import streamable_http_client
+
+    def token_hash(token: str) -> str:
+        # fenced prints the blake3 hash a tokens file needs.
+        return subprocess.run(
+            [str(REPO_ROOT / "target" / "debug" / "fenced"), "hash-token", token],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[-1]
+
+    suffix = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:8]
+    tenants = {"token-alice": f"alice-{suffix}", "token-bob": f"bob-{suffix}"}
+    tokens_file = tmp_path / "clients.tokens"
+    tokens_file.write_text("".join(f"{t} {token_hash(k)}\n" for k, t in tenants.items()))
+    proc = subprocess.Popen(
+        [str(gateway_binary()), "--listen", "127.0.0.1:0", "--fence-url", f"http://{server.addr}",
+         "--client-tokens-file", str(tokens_file), "--", sys.executable, str(UPSTREAM)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "EFFECTS_FILE": str(world.path)},
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+
+        async def create(token: str | None) -> Any:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+                async with streamable_http_client(url, http_client=http) as (read, write, _):
+                    async with ClientSession(read, write) as session:
+                        await session.initialize()
+                        return await session.call_tool("create_server", {"name": "shared", "cpu": 1})
+
+        for token in tenants:
+            assert not asyncio.run(create(token)).isError
+        # An unknown token, or none: refused, nothing done.
+        for token in ("token-mallory", None):
+            assert fence_of(asyncio.run(create(token)))["reason"] == "UNAUTHENTICATED"
+        assert len(world.effects("create")) == 2
+        # Each tenant sees its own client's effect, in that client's run, and not the other's.
+        for token, tenant in tenants.items():
+            run = fence.Run(f"mcp-default-{token_hash(token)[:16]}")
+            with fence.Client(server.addr, tenant=tenant) as mine:
+                assert [e.tool for e in mine.iter_effects(run)] == ["create_server"]
+            other = next(t for t in tenants.values() if t != tenant)
+            with fence.Client(server.addr, tenant=other) as theirs:
+                with pytest.raises(fence.FenceRefused):
+                    list(theirs.iter_effects(run))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
