@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Annotated, Any, Callable, Iterator, Sequence
 
 import pytest
 
@@ -31,14 +31,14 @@ from langchain_core.callbacks import CallbackManagerForLLMRun  # noqa: E402
 from langchain_core.language_models.chat_models import BaseChatModel  # noqa: E402
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.outputs import ChatGeneration, ChatResult  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
+from langchain_core.tools import InjectedToolCallId, tool  # noqa: E402
 from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
 from langgraph.checkpoint.sqlite import SqliteSaver  # noqa: E402
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver  # noqa: E402
 
 import aiosqlite  # noqa: E402
 from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
-from langgraph.prebuilt import ToolNode, tools_condition  # noqa: E402
+from langgraph.prebuilt import InjectedState, ToolNode, tools_condition  # noqa: E402
 from langgraph.types import Command, interrupt  # noqa: E402
 
 import fence  # noqa: E402
@@ -594,3 +594,37 @@ def test_create_react_agent_streamed_with_pydantic_tools(client: fence.Client, u
     tool_results = [m.content for m in (*first["messages"], *again["messages"]) if isinstance(m, ToolMessage)]
     assert len(tool_results) == 2 and tool_results[0] == tool_results[1]
     assert "T1" in tool_results[1] and errors(again) == []
+
+
+@pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
+def test_injected_state_and_tool_call_id_are_not_the_intent(client: fence.Client) -> None:
+    from langgraph.prebuilt import create_react_agent
+
+    world = World()
+    seen_ids: list[str] = []
+
+    @tool
+    def transfer(
+        to: str,
+        amount: int,
+        reference: str,
+        timestamp: float,
+        state: Annotated[dict, InjectedState],
+        tool_call_id: Annotated[str, InjectedToolCallId],
+    ) -> dict:
+        """Transfer money."""
+        assert state["messages"]  # the function still gets what LangGraph injects
+        seen_ids.append(tool_call_id)
+        return world.transfer(to, amount)
+
+    checkpointer = FenceCheckpointer(InMemorySaver(), client)
+    tools = [fenced_tool(transfer, checkpointer, volatile_fields=["reference", "timestamp"])]
+    graph = create_react_agent(ScriptedModel(), tools, checkpointer=checkpointer)
+    config = {"configurable": {"thread_id": f"t-{uuid.uuid4().hex[:8]}"}}
+    graph.invoke({"messages": [HumanMessage("hello")]}, config)
+    graph.invoke({"messages": [HumanMessage("pay bob 100")]}, config)
+    end_of_first_turn = [s for s in graph.get_state_history(config) if s.next == () and s.values.get("messages")][-1]
+    # The state (its messages) and the tool-call id differ on the replay: the same transfer.
+    again = graph.invoke({"messages": [HumanMessage("pay bob 100")]}, end_of_first_turn.config)
+    assert errors(again) == []
+    assert world.transfers == [("bob", 100)] and len(seen_ids) == 1

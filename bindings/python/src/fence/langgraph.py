@@ -375,6 +375,17 @@ class FenceCheckpointer(BaseCheckpointSaver):  # type: ignore[misc]
         return getattr(self.saver, name)
 
 
+def _injected_args(tool: BaseTool) -> tuple[str, ...]:
+    """The tool's arguments the model does not write (``InjectedState``,
+    ``InjectedToolCallId``...): in its input schema, not in the schema shown to the model."""
+    try:
+        every = set(tool.get_input_schema().model_json_schema().get("properties", {}))
+        shown = set(tool.tool_call_schema.model_json_schema().get("properties", {}))
+    except Exception:  # a tool without pydantic schemas: nothing is injected
+        return ()
+    return tuple(sorted(every - shown))
+
+
 def _step_key(parent: str, tool: str, kwargs: dict[str, Any]) -> str:
     # Stable for a re-run of the same step (same checkpoint, same call), new after time travel
     # (a new checkpoint), where Fence matches by intent instead.
@@ -419,6 +430,8 @@ def fenced_tool(
         raise TypeError(f"fenced_tool: {base.name!r} has no function to fence (a @tool or StructuredTool is needed)")
     options: dict[str, Any] = dict(
         tool=base.name,
+        # What LangGraph injects (the graph state, the tool-call id) is not the call's intent.
+        exclude=_injected_args(base),
         cls=cls,
         volatile_fields=volatile_fields,
         normalized_fields=normalized_fields,
@@ -430,11 +443,16 @@ def fenced_tool(
     sync_call = fenced(checkpointer.client, **options)(func) if func is not None else None
     async_call: Callable[..., Any] | None = None
 
+    injected = options["exclude"]
+
+    def _visible(kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in kwargs.items() if k not in injected}
+
     def fence_options(config: RunnableConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
         run, parent = checkpointer.call_context(config)
         return dict(
             fence_run=run,
-            fence_step_key=_step_key(parent, base.name, kwargs),
+            fence_step_key=_step_key(parent, base.name, _visible(kwargs)),
             fence_parent_checkpoint_id=parent,
         )
 
@@ -466,7 +484,7 @@ def fenced_tool(
         try:
             return sync_call(**kwargs, **fence_options(config, kwargs))
         except FenceRefused as err:
-            if not human_chose_fork(config, err, kwargs):
+            if not human_chose_fork(config, err, _visible(kwargs)):
                 raise ToolException(str(err)) from err
         try:
             return sync_call(**kwargs, **fence_options(config, kwargs))
@@ -483,7 +501,7 @@ def fenced_tool(
             opts = await asyncio.to_thread(fence_options, config, kwargs)
             return await async_call(**kwargs, **opts)
         except FenceRefused as err:
-            if not human_chose_fork(config, err, kwargs):
+            if not human_chose_fork(config, err, _visible(kwargs)):
                 raise ToolException(str(err)) from err
         try:
             opts = await asyncio.to_thread(fence_options, config, kwargs)
