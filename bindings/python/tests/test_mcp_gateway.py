@@ -263,9 +263,23 @@ def test_a_host_checkpoints_restores_and_forks_through_the_gateway_tools(world: 
     assert run_session(args, world, outcome)["state"] == "COMPLETED"
 
 
+def gateway_pids(data_dir: Path) -> list[int]:
+    """The fence-mcp processes serving ``data_dir`` (from /proc: no procps needed)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"fence-mcp") and str(data_dir).encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
 def test_the_gateway_killed_mid_call_loses_nothing_and_runs_nothing_twice(world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import signal
-    import subprocess
     import time
 
     data_dir = tmp_path / f"ledger-{uuid.uuid4().hex[:8]}"
@@ -286,8 +300,7 @@ def test_the_gateway_killed_mid_call_loses_nothing_and_runs_nothing_twice(world:
             if world.effects("charge")[1:]:
                 break
             await asyncio.sleep(0.05)
-        pids = subprocess.run(["pgrep", "-f", str(data_dir)], capture_output=True, text=True).stdout.split()
-        gateway = [int(p) for p in pids if "fence-mcp" in Path(f"/proc/{p}/cmdline").read_text()]
+        gateway = gateway_pids(data_dir)
         assert gateway, "the gateway process was not found"
         for pid in gateway:
             os.kill(pid, signal.SIGKILL)
