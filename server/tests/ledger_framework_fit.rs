@@ -62,6 +62,21 @@ fn effects(h: &Harness, run: &str) -> usize {
         .len()
 }
 
+/// `cmd` marked as a deliberate repeat.
+fn deliberate(cmd: BeginCmd) -> BeginCmd {
+    BeginCmd {
+        deliberate_repeat: true,
+        ..cmd
+    }
+}
+
+/// Reports how the first attempt of `rec` ended, at the untracked epoch.
+fn report(h: &Harness, rec: &fence_server::ledger::records::EffectRecord, outcome: Outcome) {
+    h.ledger
+        .complete(T, &rec.id().to_string(), 1, 0, outcome)
+        .unwrap();
+}
+
 fn in_progress(d: Decision) {
     assert!(
         matches!(d, Decision::InProgress { .. }),
@@ -268,10 +283,12 @@ fn a_new_step_key_in_the_same_causal_step_is_a_suspected_duplicate() {
     );
     assert_eq!(r.receipt.unwrap().result, b"tx-1");
     // Deliberately: a second effect.
-    executed(h.begin(&BeginCmd {
-        deliberate_repeat: true,
-        ..keyed("run", "call-3", TRANSFER, &transfer("bob", 100, "u3"))
-    }));
+    executed(h.begin(&deliberate(keyed(
+        "run",
+        "call-3",
+        TRANSFER,
+        &transfer("bob", 100, "u3"),
+    ))));
     assert_eq!(effects(&h, "run"), 2);
 }
 
@@ -380,10 +397,11 @@ fn a_keyless_repeat_while_the_first_runs_is_in_progress() {
     executed(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "u1"))));
     in_progress(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "u2"))));
     // deliberate_repeat does not start a second one while the first runs.
-    in_progress(h.begin(&BeginCmd {
-        deliberate_repeat: true,
-        ..call("run", TRANSFER, &transfer("bob", 100, "u3"))
-    }));
+    in_progress(h.begin(&deliberate(call(
+        "run",
+        TRANSFER,
+        &transfer("bob", 100, "u3"),
+    ))));
     assert_eq!(effects(&h, "run"), 1);
 }
 
@@ -393,15 +411,7 @@ fn a_keyless_repeat_while_the_first_runs_is_in_progress() {
 fn a_keyless_repeat_of_an_unknown_effect_must_reconcile_even_if_deliberate() {
     let h = setup();
     let rec = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "u1"))));
-    h.ledger
-        .complete(
-            T,
-            &rec.id().to_string(),
-            1,
-            0,
-            Outcome::Unknown("timeout".into()),
-        )
-        .unwrap();
+    report(&h, &rec, Outcome::Unknown("timeout".into()));
     for deliberate in [false, true] {
         let r = refused(
             h.begin(&BeginCmd {
@@ -413,16 +423,16 @@ fn a_keyless_repeat_of_an_unknown_effect_must_reconcile_even_if_deliberate() {
         assert_eq!(r.recovery, Recovery::Reconcile);
     }
     // A lapsed lease reads as unknown too.
-    let other = executed(h.begin(&call("run", TRANSFER, &transfer("carol", 1, "v1"))));
+    executed(h.begin(&call("run", TRANSFER, &transfer("carol", 1, "v1"))));
     h.clock.advance(LEASE + 1);
     refused(
-        h.begin(&BeginCmd {
-            deliberate_repeat: true,
-            ..call("run", TRANSFER, &transfer("carol", 1, "v2"))
-        }),
+        h.begin(&deliberate(call(
+            "run",
+            TRANSFER,
+            &transfer("carol", 1, "v2"),
+        ))),
         Reason::ReconcileRequired,
     );
-    let _ = other;
     assert_eq!(effects(&h, "run"), 2);
 }
 
@@ -430,15 +440,11 @@ fn a_keyless_repeat_of_an_unknown_effect_must_reconcile_even_if_deliberate() {
 fn a_keyless_repeat_after_a_failure_before_input_is_granted_again_with_the_same_key() {
     let h = setup();
     let rec = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "u1"))));
-    h.ledger
-        .complete(
-            T,
-            &rec.id().to_string(),
-            1,
-            0,
-            Outcome::FailedBeforeInput("connection refused".into()),
-        )
-        .unwrap();
+    report(
+        &h,
+        &rec,
+        Outcome::FailedBeforeInput("connection refused".into()),
+    );
     let again = executed(h.begin(&call("run", TRANSFER, &transfer("bob", 100, "u2"))));
     assert_eq!(again.seq, rec.seq);
     assert_eq!(again.attempt, 2);

@@ -78,6 +78,26 @@ struct LogicalCall {
     intent: u32,
 }
 
+/// How Fence answered one call.
+enum Answer {
+    /// Run it under this grant (effect id, attempt), then complete it.
+    Granted(String, u32),
+    /// Replayed, in progress or refused: nothing to run.
+    Answered,
+    /// Refused FORK_REQUIRED: nothing to run; the agent forks if it meant the change.
+    MustFork,
+}
+
+impl Answer {
+    /// The grant to complete, with the intent it runs.
+    fn grant(self, intent: u32) -> Option<((String, u32), u32)> {
+        match self {
+            Answer::Granted(id, attempt) => Some(((id, attempt), intent)),
+            Answer::Answered | Answer::MustFork => None,
+        }
+    }
+}
+
 /// A step as the agent remembers it: the checkpoint it descended from and its calls.
 #[derive(Debug, Clone)]
 struct Step {
@@ -131,13 +151,13 @@ impl Agent<'_> {
         }
     }
 
-    /// Begins one call; checks the answer; returns a grant to complete, if any.
+    /// Begins one call and checks the answer.
     fn begin(
         &mut self,
         call: &LogicalCall,
         parent: &str,
         changed: bool,
-    ) -> Result<Option<(String, u32)>, TestCaseError> {
+    ) -> Result<Answer, TestCaseError> {
         let step_key = self.key_for(call);
         self.calls.entry(call.intent).or_default().insert(call.id);
         let cmd = BeginCmd {
@@ -176,7 +196,7 @@ impl Agent<'_> {
                     effects.len(),
                     call.id
                 );
-                Ok(Some((receipt.id().to_string(), receipt.attempt)))
+                Ok(Answer::Granted(receipt.id().to_string(), receipt.attempt))
             }
             Decision::Replay(rec) => {
                 let recorded: serde_json::Value =
@@ -186,18 +206,19 @@ impl Agent<'_> {
                     Some(u64::from(call.intent)),
                     "a call was answered with another intent's result"
                 );
-                Ok(None)
+                Ok(Answer::Answered)
             }
-            Decision::InProgress { .. } => Ok(None),
+            Decision::InProgress { .. } => Ok(Answer::Answered),
             Decision::Refused(r) => {
                 prop_assert!(
                     r.reason != Reason::ForkRequired || changed || self.diverged,
                     "an unchanged call was refused FORK_REQUIRED: {r:?}"
                 );
-                if r.reason == Reason::ForkRequired {
-                    return Err(TestCaseError::Reject("fork".into()));
-                }
-                Ok(None)
+                Ok(if r.reason == Reason::ForkRequired {
+                    Answer::MustFork
+                } else {
+                    Answer::Answered
+                })
             }
         }
     }
@@ -258,9 +279,8 @@ impl Agent<'_> {
         let parent = self.current_parent();
         let mut grants = Vec::new();
         for c in &calls {
-            match self.begin(c, &parent, changed.contains(&c.id)) {
-                Ok(g) => grants.extend(g.map(|g| (g, c.intent))),
-                Err(TestCaseError::Reject(_)) => {
+            match self.begin(c, &parent, changed.contains(&c.id))? {
+                Answer::MustFork => {
                     // The framework forks at the checkpoint its state is at, then re-sends.
                     self.flush_pending();
                     let at = self.recorded.last().unwrap().0.clone();
@@ -280,18 +300,22 @@ impl Agent<'_> {
                         .unwrap();
                     self.branch = forked.branch.name;
                     self.diverged = false;
-                    let g = self.begin(c, &parent, true)?;
-                    grants.extend(g.map(|g| (g, c.intent)));
+                    let again = self.begin(c, &parent, true)?;
+                    prop_assert!(
+                        !matches!(again, Answer::MustFork),
+                        "a call was refused FORK_REQUIRED again on the fork made for it"
+                    );
+                    grants.extend(again.grant(c.intent));
                 }
-                Err(e) => return Err(e),
+                answer => grants.extend(answer.grant(c.intent)),
             }
         }
         // A late checkpoint of the previous step lands now, after this step's calls.
         self.flush_pending();
         if retry_in_flight {
             for c in &calls {
-                let g = self.begin(c, &parent, false)?;
-                grants.extend(g.map(|g| (g, c.intent)));
+                let answer = self.begin(c, &parent, false)?;
+                grants.extend(answer.grant(c.intent));
             }
         }
         for (g, intent) in grants {
@@ -363,8 +387,10 @@ fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
             Event::Retry => {
                 if let Some(last) = agent.steps.last().cloned() {
                     for c in &last.calls {
-                        if let Some(g) = agent.begin(c, &last.parent, false)? {
-                            agent.complete(g, c.intent);
+                        if let Some((g, intent)) =
+                            agent.begin(c, &last.parent, false)?.grant(c.intent)
+                        {
+                            agent.complete(g, intent);
                         }
                     }
                 }

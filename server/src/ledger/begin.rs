@@ -21,16 +21,11 @@
 
 use serde_json::Value;
 
+use super::messages;
 use super::records::{
     Adoption, BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, OpenStep,
     RunRecord,
 };
-
-/// How many named but not yet recorded checkpoints a branch remembers.
-const MAX_OPEN_STEPS: usize = 64;
-/// How many other causal steps an effect remembers answering (see
-/// `EffectRecord::answered_steps`).
-const MAX_ANSWERED_STEPS: usize = 16;
 use super::tools::Tool;
 use super::{
     BeginCmd, Decision, EffectId, Ledger, LedgerError, MAIN_BRANCH, OpClass, Reason, Recovery,
@@ -39,6 +34,12 @@ use super::{
 use crate::canonical::{self, Fingerprint};
 use crate::store::keys::{self, RunKey};
 use crate::store::{Batch, Store, codec};
+
+/// How many named but not yet recorded checkpoints a branch remembers.
+const MAX_OPEN_STEPS: usize = 64;
+/// How many other causal steps an effect remembers answering (see
+/// `EffectRecord::answered_steps`).
+const MAX_ANSWERED_STEPS: usize = 16;
 
 /// The answer to a Begin and the run's current epoch (0 if the run does not exist).
 #[derive(Debug, Clone, PartialEq)]
@@ -94,8 +95,14 @@ impl Call<'_> {
     fn same_causal_step(&self, rec: &EffectRecord, b: u32, position: u64) -> bool {
         match (&self.cmd.parent_checkpoint_id, &rec.parent_checkpoint_id) {
             (p, q) if !p.is_empty() && !q.is_empty() => p == q || rec.answered_steps.contains(p),
-            _ => b == self.branch && position >= self.branch().last_checkpoint_position,
+            _ => self.after_last_checkpoint(b, position),
         }
+    }
+
+    /// Is the index entry of branch `b` at `position` in this branch's log after its latest
+    /// checkpoint (the causal step of a call that names no checkpoint)?
+    fn after_last_checkpoint(&self, b: u32, position: u64) -> bool {
+        b == self.branch && position >= self.branch().last_checkpoint_position
     }
 
     /// Is the effect visible on this call's lineage?
@@ -239,7 +246,7 @@ impl<S: Store> Ledger<S> {
                 Ok(Refusal::new(
                     Reason::ArgumentMismatch,
                     Recovery::FixArgument,
-                    crate::ledger::messages::ARGUMENT_MISMATCH,
+                    messages::ARGUMENT_MISMATCH,
                 )
                 .with_receipt(view)
                 .into())
@@ -269,7 +276,7 @@ impl<S: Store> Ledger<S> {
                         Ok(Refusal::new(
                             Reason::DuplicateIntent,
                             Recovery::ConfirmRepeat,
-                            crate::ledger::messages::DUPLICATE_INTENT,
+                            messages::DUPLICATE_INTENT,
                         )
                         .with_receipt(view)
                         .into())
@@ -278,7 +285,7 @@ impl<S: Store> Ledger<S> {
                         let mut r = Refusal::new(
                             Reason::ForkRequired,
                             Recovery::Fork,
-                            crate::ledger::messages::FORK_REQUIRED,
+                            messages::FORK_REQUIRED,
                         )
                         .with_receipt(rec.view(now));
                         r.checkpoint_id = call.branch().restored_from_checkpoint.clone();
@@ -484,13 +491,22 @@ impl<S: Store> Ledger<S> {
         }
         let mut latest_first = entries;
         latest_first.sort_unstable_by_key(|(_, e)| std::cmp::Reverse(e.seq));
+        // A call naming no checkpoint is placed by position alone: only the record that is
+        // answered is read (the common path makes no extra reads).
+        let positional = call.cmd.parent_checkpoint_id.is_empty();
         let mut latest = None;
         for (b, entry) in latest_first {
+            if positional && !call.after_last_checkpoint(b, entry.position) {
+                if latest.is_none() && call.cmd.step_key.is_empty() {
+                    latest = Some(self.load_seq(&call.rk, entry.seq)?);
+                }
+                continue;
+            }
             let rec = self.load_seq(&call.rk, entry.seq)?;
             if call.same_causal_step(&rec, b, entry.position) {
                 return Ok((count, Some(rec), None));
             }
-            if latest.is_none() {
+            if latest.is_none() && call.cmd.step_key.is_empty() {
                 latest = Some(rec);
             }
         }
@@ -675,7 +691,7 @@ impl<S: Store> Ledger<S> {
                 return Ok(Gate::Refused(Refusal::new(
                     Reason::CredentialMismatch,
                     Recovery::Reauthenticate,
-                    crate::ledger::messages::CREDENTIAL_OTHER_CALL,
+                    messages::CREDENTIAL_OTHER_CALL,
                 )));
             }
             if cred.uses >= cred.budget {
@@ -691,7 +707,7 @@ impl<S: Store> Ledger<S> {
                 let mut refusal = Refusal::new(
                     Reason::CredentialConsumed,
                     Recovery::Reauthenticate,
-                    crate::ledger::messages::CREDENTIAL_CONSUMED,
+                    messages::CREDENTIAL_CONSUMED,
                 );
                 if let Some(last) = cred.spent_by.last()
                     && let Ok(rk) = RunKey::try_from(&last.run_key[..])
@@ -731,18 +747,14 @@ impl<S: Store> Ledger<S> {
         }
         let mut batch = Batch::new();
         let mut rec_changed = false;
-        // Where the effect sits in this branch's log (for an alias of a new step key).
-        let mut position = rec.position;
-        if let Some(a) = rec.adopted.iter().find(|a| a.branch == call.branch) {
-            position = a.position;
-        }
+        let mut tape_position = None;
         match via {
             Via::Lineage => {}
             Via::Tape => {
                 let branch = &mut call.run.branches[call.branch as usize];
                 if let Some(i) = branch.tape_seqs.iter().position(|s| *s == rec.seq) {
                     branch.tape_seqs.remove(i);
-                    position = branch.tape_positions.remove(i);
+                    tape_position = Some(branch.tape_positions.remove(i));
                 }
                 if branch.tape_seqs.is_empty() {
                     branch.restored_from_checkpoint.clear();
@@ -754,14 +766,20 @@ impl<S: Store> Ledger<S> {
                 rec_changed = true;
             }
         }
-        let in_this_log =
-            rec.branch == call.branch || rec.adopted.iter().any(|a| a.branch == call.branch);
-        if let Some(a) = rec.adopted.iter().find(|a| a.branch == call.branch) {
-            position = a.position;
-        }
+        // Where the effect sits in this branch's log, if it is in it (adopted ones included).
+        let in_this_log = tape_position
+            .or_else(|| {
+                rec.adopted
+                    .iter()
+                    .find(|a| a.branch == call.branch)
+                    .map(|a| a.position)
+            })
+            .or((rec.branch == call.branch).then_some(rec.position));
         // The effect answers a call descending from a checkpoint not saved yet: that checkpoint
         // must come before it, as before a new effect.
-        if in_this_log && self.note_open_step(&mut call, position)? {
+        if let Some(position) = in_this_log
+            && self.note_open_step(&mut call, position)?
+        {
             batch.put(keys::run(&call.rk), codec::encode(&call.run));
         }
         let decision = match view.state() {
@@ -792,7 +810,7 @@ impl<S: Store> Ledger<S> {
                 return Ok(Refusal::new(
                     Reason::ReconcileRequired,
                     Recovery::Reconcile,
-                    crate::ledger::messages::RECONCILE_REQUIRED,
+                    messages::RECONCILE_REQUIRED,
                 )
                 .with_receipt(view)
                 .into());
@@ -819,7 +837,7 @@ impl<S: Store> Ledger<S> {
             if self.store.get(&step)?.is_none() {
                 let entry = IndexEntry {
                     seq: rec.seq,
-                    position,
+                    position: in_this_log.unwrap_or(rec.position),
                     tool_version: rec.tool_version,
                 };
                 batch.put(step, codec::encode(&entry));
@@ -1016,12 +1034,10 @@ impl<S: Store> Ledger<S> {
     /// Returns whether the run record changed.
     fn note_open_step(&self, call: &mut Call<'_>, position: u64) -> Result<bool> {
         let parent = &call.cmd.parent_checkpoint_id;
+        let branch = call.branch();
         if parent.is_empty()
-            || call
-                .branch()
-                .open_steps
-                .iter()
-                .any(|o| &o.checkpoint_id == parent)
+            || branch.last_checkpoint_id == *parent
+            || branch.open_steps.iter().any(|o| &o.checkpoint_id == parent)
             || self
                 .store
                 .get(&keys::checkpoint(&call.rk, parent))?
@@ -1099,10 +1115,5 @@ fn downstream_key(call: &Call<'_>, occurrence: u32) -> String {
 }
 
 fn expired(view: EffectRecord) -> Refusal {
-    Refusal::new(
-        Reason::Expired,
-        Recovery::Stop,
-        crate::ledger::messages::EXPIRED,
-    )
-    .with_receipt(view)
+    Refusal::new(Reason::Expired, Recovery::Stop, messages::EXPIRED).with_receipt(view)
 }

@@ -80,6 +80,10 @@ pub struct BranchRecord {
     /// themselves, with the position of the first such effect (late checkpoints).
     #[prost(message, repeated, tag = "15")]
     pub open_steps: Vec<OpenStep>,
+    /// The name of the branch's latest recorded checkpoint (spares a read when a call names
+    /// it as its parent, the common case).
+    #[prost(string, tag = "16")]
+    pub last_checkpoint_id: String,
 }
 
 /// A checkpoint effects descend from that is not recorded yet.

@@ -210,6 +210,7 @@ impl<S: Store> Ledger<S> {
         run.checkpoint_count += 1;
         let b = &mut run.branches[branch as usize];
         b.last_checkpoint_position = b.last_checkpoint_position.max(position);
+        b.last_checkpoint_id = cmd.checkpoint_id.clone();
         let mut batch = Batch::new();
         batch.put(key, codec::encode(&record));
         batch.put(keys::run(&rk), codec::encode(&run));
