@@ -673,9 +673,9 @@ impl ServerHandler for Gateway {
         if self.fence_tools && tools::NAMES.contains(&request.name.as_ref()) {
             let args = request.arguments.clone().unwrap_or_default();
             let result = match self.fence_for(client.as_deref()) {
-                Ok((_, fence)) => tools::call(&fence, &self.default_run, &request.name, &args)
-                    .await
-                    .unwrap_or_else(|| unreachable!("a gateway tool name")),
+                Ok((_, fence)) => {
+                    tools::call(&fence, &self.default_run, &request.name, &args).await
+                }
                 Err(why) => error_result(
                     "This client is not allowed to use these tools.",
                     json!({"reason": "UNAUTHENTICATED", "detail": why}),

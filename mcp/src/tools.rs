@@ -82,17 +82,14 @@ fn number(args: &JsonObject, name: &str) -> Result<u64, String> {
     }
 }
 
-/// Runs one of the gateway's tools; `None` when `name` is not one of them.
+/// Runs the gateway's tool `name` (one of [`NAMES`]).
 pub async fn call(
     fence: &FenceClient,
     default_run: &str,
     name: &str,
     args: &JsonObject,
-) -> Option<CallToolResult> {
-    if !NAMES.contains(&name) {
-        return None;
-    }
-    Some(match run(fence, default_run, name, args).await {
+) -> CallToolResult {
+    match run(fence, default_run, name, args).await {
         Ok(value) => CallToolResult::structured(value),
         Err(Failure::Invalid(why)) => CallToolResult::structured_error(
             json!({"fence": {"reason": "INVALID_ARGUMENT", "detail": why}}),
@@ -100,7 +97,7 @@ pub async fn call(
         Err(Failure::Fence(e)) => {
             CallToolResult::structured_error(json!({"fence": fence_error(&e)}))
         }
-    })
+    }
 }
 
 enum Failure {

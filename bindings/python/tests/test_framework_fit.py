@@ -161,14 +161,9 @@ def test_a_late_checkpoint_still_precedes_the_effects_that_name_it(client: fence
     assert again.decision.receipt.effect_id == result.decision.effect_id
 
 
-# An AsyncClient made at module level, outside any event loop, as applications do.
-_MODULE_CLIENT: fence.AsyncClient | None = None
-
-
 def test_an_async_client_made_outside_a_loop_works_in_several_loops(server: Any, tenant: str, run_id: str) -> None:
-    global _MODULE_CLIENT
-    _MODULE_CLIENT = fence.AsyncClient(server.addr, tenant=tenant, timeout=20)
-    client = _MODULE_CLIENT
+    # Made outside any event loop, as an application's module-level client is.
+    client = fence.AsyncClient(server.addr, tenant=tenant, timeout=20)
 
     async def once(n: int) -> str:
         started = await client.start_run(Run(f"{run_id}-{n}"))

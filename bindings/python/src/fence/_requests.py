@@ -92,8 +92,10 @@ def _key(key: Any) -> str:
         return key
     if isinstance(key, enum.Enum):
         return str(key.value)
-    if isinstance(key, (int, float, bool, uuid.UUID)) or key is None:
-        return json.dumps(key) if not isinstance(key, uuid.UUID) else str(key)
+    if isinstance(key, uuid.UUID):
+        return str(key)
+    if isinstance(key, (int, float, bool)) or key is None:
+        return json.dumps(key)
     raise TypeError(f"object keys must be strings, not {type(key).__name__}")
 
 
@@ -105,10 +107,8 @@ class _ExactNumber:
 
     @classmethod
     def of(cls, value: decimal.Decimal) -> "_ExactNumber":
-        text = format(value, "f") if -30 < value.adjusted() < 30 else str(value)
-        if "." not in text and "E" not in text and "e" not in text and text.lstrip("-") == "":
-            text = "0"
-        return cls(text)
+        # Plain digits for ordinary magnitudes, exponent form beyond (both valid JSON).
+        return cls(format(value, "f") if -30 < value.adjusted() < 30 else str(value))
 
 
 def _write(value: Any, out: list[str]) -> None:

@@ -335,36 +335,6 @@ class FenceCheckpointer(BaseCheckpointSaver):  # type: ignore[misc]
         with self._threads_lock:
             self._threads.pop(thread_id, None)
 
-    def get(self, config: RunnableConfig) -> Checkpoint | None:
-        return self.saver.get(config)
-
-    async def aget(self, config: RunnableConfig) -> Checkpoint | None:
-        return await self.saver.aget(config)
-
-    def get_delta_channel_history(self, *args: Any, **kwargs: Any) -> Any:
-        return self.saver.get_delta_channel_history(*args, **kwargs)
-
-    async def aget_delta_channel_history(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.saver.aget_delta_channel_history(*args, **kwargs)
-
-    def delete_for_runs(self, *args: Any, **kwargs: Any) -> Any:
-        return self.saver.delete_for_runs(*args, **kwargs)
-
-    async def adelete_for_runs(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.saver.adelete_for_runs(*args, **kwargs)
-
-    def copy_thread(self, *args: Any, **kwargs: Any) -> Any:
-        return self.saver.copy_thread(*args, **kwargs)
-
-    async def acopy_thread(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.saver.acopy_thread(*args, **kwargs)
-
-    def prune(self, *args: Any, **kwargs: Any) -> Any:
-        return self.saver.prune(*args, **kwargs)
-
-    async def aprune(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.saver.aprune(*args, **kwargs)
-
     def get_next_version(self, current: Any, channel: None) -> Any:
         return self.saver.get_next_version(current, channel)
 
@@ -373,6 +343,41 @@ class FenceCheckpointer(BaseCheckpointSaver):  # type: ignore[misc]
         if name == "saver":
             raise AttributeError(name)
         return getattr(self.saver, name)
+
+
+def _delegate(name: str) -> Any:
+    """A method that calls the wrapped saver's method of the same name, nothing more."""
+    if name.startswith("a"):
+
+        async def async_method(self: FenceCheckpointer, *args: Any, **kwargs: Any) -> Any:
+            return await getattr(self.saver, name)(*args, **kwargs)
+
+        async_method.__name__ = name
+        return async_method
+
+    def method(self: FenceCheckpointer, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.saver, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+# The rest of the saver interface is passed through as is (BaseCheckpointSaver defines these,
+# so __getattr__ would not reach the wrapped saver). None of them loads or saves a checkpoint
+# of a run, so none has anything to tell Fence.
+for _name in (
+    "get",
+    "aget",
+    "get_delta_channel_history",
+    "aget_delta_channel_history",
+    "delete_for_runs",
+    "adelete_for_runs",
+    "copy_thread",
+    "acopy_thread",
+    "prune",
+    "aprune",
+):
+    setattr(FenceCheckpointer, _name, _delegate(_name))
 
 
 def _injected_args(tool: BaseTool) -> tuple[str, ...]:
