@@ -23,6 +23,7 @@ use fence_client::{
     EffectCall, Error as FenceError, FenceClient, IntentSchema, OperationClass, Receipt, Refusal,
     StringNormalization, ToolDef, ToolError,
 };
+use fence_server::trace::{TRACEPARENT, TraceParent};
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, GetPromptRequestParams,
     GetPromptResponse, InitializeResult, JsonObject, ListPromptsResult, ListResourcesResult,
@@ -39,11 +40,16 @@ pub use upstreams::{Upstream, Upstreams};
 /// The `_meta` key prefix of the gateway's request fields (see [`CallMeta`]).
 pub const META_PREFIX: &str = "dev.fence/";
 
+/// The `_meta` keys of W3C trace context, passed upstream unchanged.
+const TRACE_CONTEXT_KEYS: [&str; 2] = [TRACEPARENT, "tracestate"];
+
 /// What a caller may say about a call in the request's `_meta`, each under [`META_PREFIX`]:
 /// `runId`, `stepKey`, `epoch`, `branch`, `parentCheckpointId`, `credentials` (an array of
 /// strings), `deliberateRepeat`; and `idempotencyKey` (SEP-3182's proposal, used as the step
 /// key when no `stepKey` is given). All optional: a caller that sends none gets the gateway's
-/// default run and the keyless rules.
+/// default run and the keyless rules. Outside the prefix, a W3C `traceparent` (the key MCP's
+/// tracing convention uses) is carried into the Fence calls; an invalid one is ignored, as
+/// the W3C recommendation asks of a receiver.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallMeta {
     /// The Fence run (default: the gateway's `--run-id`).
@@ -60,6 +66,8 @@ pub struct CallMeta {
     pub credentials: Vec<String>,
     /// "An identical call is already recorded, and I mean to do it again."
     pub deliberate_repeat: bool,
+    /// The caller's W3C trace context (`_meta.traceparent`), when valid.
+    pub traceparent: Option<TraceParent>,
 }
 
 impl CallMeta {
@@ -120,6 +128,10 @@ impl CallMeta {
                 ));
             }
         }
+        out.traceparent = meta
+            .get(TRACEPARENT)
+            .and_then(Value::as_str)
+            .and_then(TraceParent::parse);
         Ok(out)
     }
 }
@@ -431,13 +443,27 @@ impl Gateway {
     ) -> CallToolResult {
         let name = request.name.to_string();
         // The SDK hands a request's `_meta` to the handler in its context.
-        let meta = request.meta.as_ref().map_or(context_meta, |m| &m.0.0);
-        let meta = match CallMeta::parse(Some(meta)) {
+        let raw_meta = request.meta.as_ref().map_or(context_meta, |m| &m.0.0);
+        let meta = match CallMeta::parse(Some(raw_meta)) {
             Ok(meta) => meta,
             Err(why) => {
                 return error_result(&why, json!({"reason": "INVALID_META", "detail": why}));
             }
         };
+        // The host's trace context goes upstream as it came (the gateway is transparent to it).
+        let trace: JsonObject = TRACE_CONTEXT_KEYS
+            .iter()
+            .filter_map(|&k| raw_meta.get(k).map(|v| (k.to_owned(), v.clone())))
+            .collect();
+        let mut request = request;
+        if !trace.is_empty() {
+            request
+                .meta
+                .get_or_insert_with(Default::default)
+                .0
+                .0
+                .extend(trace);
+        }
         if self.upstreams.route(&name).is_none() {
             return error_result(
                 &format!("There is no tool named {name:?}."),
@@ -445,7 +471,14 @@ impl Gateway {
             );
         }
         let (tenant, fence) = match self.fence_for(client) {
-            Ok(found) => found,
+            // The caller's trace follows the call into Fence (the value was validated).
+            Ok((tenant, fence)) => match meta.traceparent {
+                Some(parent) => (
+                    tenant,
+                    fence.with_traceparent(&parent.to_string()).unwrap_or(fence),
+                ),
+                None => (tenant, fence),
+            },
             Err(why) => {
                 return error_result(
                     "This client is not allowed to use these tools.",
@@ -799,9 +832,17 @@ mod tests {
             "dev.fence/epoch": 2,
             "dev.fence/credentials": ["approval-1"],
             "dev.fence/deliberateRepeat": true,
+            "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "other/key": 5,
         }))))
         .unwrap();
+        assert_eq!(
+            m.traceparent.map(|t| t.trace_id_hex()).as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        // An invalid trace context is ignored, not an error.
+        let ignored = CallMeta::parse(Some(&meta(json!({"traceparent": "nonsense"})))).unwrap();
+        assert_eq!(ignored.traceparent, None);
         assert_eq!(m.run_id.as_deref(), Some("run-1"));
         assert_eq!(m.step_key.as_deref(), Some("k1"));
         assert_eq!(m.epoch, 2);

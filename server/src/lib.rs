@@ -7,7 +7,8 @@
 //!   decision, checkpoints/restores/forks, credentials, retention;
 //! - [`service`], [`convert`], [`status`]: the thin gRPC layer and the one error mapping;
 //! - [`auth`], [`quota`], [`config`], [`server`]: tenants and tokens, per-tenant rate limits,
-//!   settings, wiring and shutdown.
+//!   settings, wiring and shutdown;
+//! - [`trace`]: W3C `traceparent` parsing and the per-RPC span that carries it.
 
 pub mod auth;
 pub mod canonical;
@@ -21,6 +22,7 @@ pub mod server;
 pub mod service;
 pub mod status;
 pub mod store;
+pub mod trace;
 
 pub use config::Config;
 #[cfg(feature = "rocksdb")]

@@ -267,7 +267,7 @@ pub async fn serve_ledger_with(
     let incoming = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(60)));
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder().trace_fn(crate::trace::rpc_span);
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }

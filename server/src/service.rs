@@ -35,7 +35,9 @@ impl<S: Store> FenceService<S> {
         let tenant = tenant_of(&req)?;
         let body = req.into_inner();
         let ledger = self.ledger.clone();
-        let out = tokio::task::spawn_blocking(move || f(&ledger, &tenant, body))
+        // The request's span (its trace, see crate::trace) follows it onto the blocking pool.
+        let span = tracing::Span::current();
+        let out = tokio::task::spawn_blocking(move || span.in_scope(|| f(&ledger, &tenant, body)))
             .await
             .map_err(|e| {
                 tracing::error!(error = %e, "ledger task failed");
@@ -287,6 +289,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         self.run(req, |l, t, r| {
             let outcome = convert::outcome(r.outcome)?;
             let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
+            tracing::debug!(tenant = t, effect = %r.effect_id, state = rec.state, "complete");
             Ok(pb::CompleteResponse {
                 receipt: Some(convert::receipt(&rec, true)),
             })

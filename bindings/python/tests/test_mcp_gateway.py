@@ -23,6 +23,7 @@ from mcp import ClientSession, StdioServerParameters  # noqa: E402
 from mcp.client.stdio import stdio_client  # noqa: E402
 
 import fence  # noqa: E402
+from conftest import FenceServer, fenced_binary  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 UPSTREAM = Path(__file__).resolve().parent / "mcp" / "upstream_server.py"
@@ -176,6 +177,31 @@ def test_after_a_restore_a_changed_call_is_refused_structured_then_forked_once(s
     assert again.content[0].text == done.content[0].text
     assert [c["amount"] for c in world.effects("charge")] == [5, 50]
     client.close()
+
+
+def test_a_hosts_trace_context_reaches_fence_and_the_upstream(world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+
+    # A Fence server logging each request's span (with the caller's trace id) at debug level.
+    monkeypatch.setenv("RUST_LOG", "fence_server=debug")
+    srv = FenceServer(fenced_binary(), tmp_path / "data", tmp_path / "fenced.log", [])
+    srv.start()
+    trace_id = uuid.uuid4().hex
+    traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    try:
+        async def charge(s: ClientSession) -> Any:
+            return await s.call_tool(
+                "charge", {"customer": "ann", "amount": 3, "reference": "r"}, meta={"traceparent": traceparent}
+            )
+
+        assert not run_session(["--fence-url", f"http://{srv.addr}", "--tenant", "traced"], world, charge).isError
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(encoding="utf-8")
+    begins = [line for line in log.splitlines() if "Begin" in line and trace_id in line]
+    completes = [line for line in log.splitlines() if "Complete" in line and trace_id in line]
+    assert begins and completes, log[-3000:]
+    # The host's _meta is passed upstream as it came, trace context included.
+    assert [c["traceparent"] for c in world.effects("charge")] == [traceparent]
 
 
 def test_two_tenants_do_not_see_each_other(server: Any, world: World) -> None:

@@ -26,7 +26,8 @@ def charge(customer: str, amount: int, reference: str, ctx: Context) -> dict:
     """Charge a customer (irreversible)."""
     meta = ctx.request_context.meta
     key = getattr(meta, "dev.fence/downstreamKey", None) if meta is not None else None
-    n = record("charge", customer=customer, amount=amount, downstream_key=key)
+    traceparent = getattr(meta, "traceparent", None) if meta is not None else None
+    n = record("charge", customer=customer, amount=amount, downstream_key=key, traceparent=traceparent)
     if customer == "slow":
         time.sleep(float(os.environ.get("SLOW_SECONDS", "30")))
     return {"charge_id": f"ch_{n}", "amount": amount}
