@@ -8,6 +8,9 @@
 #   scripts/bench.sh load [flags]      the fdatasync floor, Fence and the Postgres peer at
 #                                      concurrency 1..256 (starts Postgres with bench-postgres.sh)
 #   scripts/bench.sh scale [flags]     latency and RSS of Fence at 0, 1M and 10M stored effects
+#   scripts/bench.sh cost [flags]      noise-free cost: fenced's CPU us per effect (from /proc)
+#                                      at concurrency 1 and 64, and instructions per effect of
+#                                      the ledger alone under callgrind (RocksDB and in-memory)
 #   scripts/bench.sh micro [filter]    criterion micro-benchmarks (canonicalisation, a ledger
 #                                      decision, a durable store write)
 set -euo pipefail
@@ -20,6 +23,19 @@ shift || true
 release() {
   cargo build --release --workspace --bins
 }
+bin=${CARGO_TARGET_DIR:-target}/release
+
+# Instructions per effect of `fence-load ledger "$@"` counted inside measured_effects only.
+instructions_per_effect() {
+  local effects=$1 out
+  shift
+  out=$(mktemp)
+  valgrind --tool=callgrind --callgrind-out-file="$out" --collect-atstart=no \
+    --toggle-collect='*measured_effects*' "$bin/fence-load" ledger --effects "$effects" "$@" \
+    >/dev/null 2>&1
+  awk -v n="$effects" '/^(summary|totals):/ { printf "%.0f\n", $2 / n; exit }' "$out"
+  rm -f "$out"
+}
 
 case "$what" in
 faults)
@@ -27,23 +43,32 @@ faults)
   has_faults=0
   for a in "$@"; do [[ "$a" == --faults* ]] && has_faults=1; done
   if [ "$has_faults" -eq 0 ]; then set -- --faults 100000 "$@"; fi
-  exec target/release/fence-faults "$@"
+  exec "$bin/fence-faults" "$@"
   ;;
 load)
   release
   url=$(scripts/bench-postgres.sh start)
   trap 'scripts/bench-postgres.sh stop' EXIT
-  target/release/fence-load compare --postgres "$url" "$@"
+  "$bin/fence-load" compare --postgres "$url" "$@"
   ;;
 scale)
   release
-  exec target/release/fence-load scale "$@"
+  exec "$bin/fence-load" scale "$@"
+  ;;
+cost)
+  release
+  "$bin/fence-load" cost --concurrency 1,64 "$@"
+  echo
+  echo "| ledger in process, no gRPC | instructions per effect (callgrind) |"
+  echo "|---|---:|"
+  echo "| RocksDB, every write synced | $(instructions_per_effect 1000) |"
+  echo "| in-memory store | $(instructions_per_effect 2000 --mem) |"
   ;;
 micro)
   exec cargo bench -p fence-bench -- "$@"
   ;;
 *)
-  echo "usage: $0 faults|load|scale|micro [flags]" >&2
+  echo "usage: $0 faults|load|scale|cost|micro [flags]" >&2
   exit 2
   ;;
 esac

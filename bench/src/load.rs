@@ -431,6 +431,20 @@ pub enum Target {
     Postgres(String),
 }
 
+/// How long each closed-loop worker runs.
+#[derive(Debug, Clone, Copy)]
+pub enum Budget {
+    /// For `warmup` (not measured), then `measure`.
+    Timed {
+        /// Unmeasured seconds first.
+        warmup: Duration,
+        /// The measured window.
+        measure: Duration,
+    },
+    /// Exactly this many turns per worker, all measured (the window is the wall time).
+    Turns(u64),
+}
+
 /// Runs `concurrency` closed-loop workers for `warmup + measure`; `label` keeps run ids
 /// unique across measurements. Each worker's turn is `batch` effects: 1 = Begin then Complete
 /// per effect; more = that many parallel tool calls, begun together and completed together
@@ -444,9 +458,37 @@ pub async fn closed_loop(
     warmup: Duration,
     measure: Duration,
 ) -> Result<Measured> {
+    run_loop(
+        target,
+        label,
+        concurrency,
+        batch,
+        Budget::Timed { warmup, measure },
+    )
+    .await
+}
+
+/// Runs `concurrency` closed-loop workers within `budget` (see [`closed_loop`]).
+pub async fn run_loop(
+    target: &Target,
+    label: &str,
+    concurrency: usize,
+    batch: usize,
+    budget: Budget,
+) -> Result<Measured> {
     let start = Instant::now() + Duration::from_millis(200);
-    let measure_from = start + warmup;
-    let end = measure_from + measure;
+    let limit = match budget {
+        Budget::Timed { warmup, measure } => Limit {
+            measure_from: start + warmup,
+            end: Some(start + warmup + measure),
+            turns: u64::MAX,
+        },
+        Budget::Turns(turns) => Limit {
+            measure_from: start,
+            end: None,
+            turns,
+        },
+    };
     let failures = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::with_capacity(concurrency);
     for w in 0..concurrency as u64 {
@@ -459,14 +501,7 @@ pub async fn closed_loop(
                     run_id,
                     batch: batch.max(1) as u64,
                 };
-                tasks.push(tokio::spawn(worker(
-                    client,
-                    w,
-                    start,
-                    measure_from,
-                    end,
-                    failures,
-                )));
+                tasks.push(tokio::spawn(worker(client, w, start, limit, failures)));
             }
             Target::Postgres(url) => {
                 let client = pg_client(url).await?;
@@ -484,22 +519,21 @@ pub async fn closed_loop(
                         fence_server::canonical::StringRule::Exact,
                     )?,
                 };
-                tasks.push(tokio::spawn(worker(
-                    c,
-                    w,
-                    start,
-                    measure_from,
-                    end,
-                    failures,
-                )));
+                tasks.push(tokio::spawn(worker(c, w, start, limit, failures)));
             }
         }
     }
-    let mut total = Measured::new(measure);
+    let mut total = Measured::new(match budget {
+        Budget::Timed { measure, .. } => measure,
+        Budget::Turns(_) => Duration::ZERO,
+    });
     for t in tasks {
         let m = t.await.context("worker task")??;
         total.ops += m.ops;
         total.hist.add(&m.hist)?;
+    }
+    if let Budget::Turns(_) = budget {
+        total.window = start.elapsed();
     }
     let failed = failures.load(Ordering::Relaxed);
     if failed > 0 {
@@ -508,20 +542,27 @@ pub async fn closed_loop(
     Ok(total)
 }
 
+/// When a worker measures and stops.
+#[derive(Debug, Clone, Copy)]
+struct Limit {
+    measure_from: Instant,
+    end: Option<Instant>,
+    turns: u64,
+}
+
 async fn worker<C: EffectClient>(
     mut client: C,
     w: u64,
     start: Instant,
-    measure_from: Instant,
-    end: Instant,
+    limit: Limit,
     failures: Arc<AtomicU64>,
 ) -> Result<Measured> {
     tokio::time::sleep_until(start.into()).await;
-    let mut m = Measured::new(end - measure_from);
+    let mut m = Measured::new(limit.end.map_or(Duration::ZERO, |e| e - limit.measure_from));
     let mut n = 0u64;
-    loop {
+    while n < limit.turns {
         let t = Instant::now();
-        if t >= end {
+        if limit.end.is_some_and(|end| t >= end) {
             break;
         }
         n += 1;
@@ -531,7 +572,7 @@ async fn worker<C: EffectClient>(
             }
             continue;
         }
-        if t >= measure_from {
+        if t >= limit.measure_from {
             m.hist.record(micros(t.elapsed()))?;
             m.ops += client.batch();
         }
@@ -621,6 +662,141 @@ pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Du
     // here so that the measurement sees a store in its steady shape.
     ledger.store().compact()?;
     Ok(started.elapsed())
+}
+
+/// The ledger's own work per effect, in this process (no gRPC): a ledger opened over
+/// `data_dir` as `fenced` opens it (every write synced), or over the in-memory store, the load
+/// tool registered and `warmup` effects done, then `effects` begin+complete pairs in
+/// [`measured_effects`]. Returns the wall time of the measured part. Run it under
+/// `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*measured_effects*'` to
+/// count the instructions of exactly the measured effects.
+pub fn ledger_effects(data_dir: Option<&Path>, warmup: u64, effects: u64) -> Result<Duration> {
+    let clock = Arc::new(SystemClock);
+    match data_dir {
+        Some(dir) => {
+            let config = fence_server::Config::with_data_dir(dir);
+            let ledger = fence_server::server::open_ledger(&config, clock)?;
+            time_effects(&ledger, warmup, effects)
+        }
+        None => {
+            let ledger = fence_server::ledger::Ledger::new(
+                fence_server::store::MemStore::new(),
+                clock,
+                fence_server::ledger::LedgerConfig::default(),
+            );
+            time_effects(&ledger, warmup, effects)
+        }
+    }
+}
+
+fn time_effects<S: fence_server::store::Store>(
+    ledger: &fence_server::ledger::Ledger<S>,
+    warmup: u64,
+    effects: u64,
+) -> Result<Duration> {
+    ledger.register_tool(
+        TENANT,
+        ToolDef {
+            name: TOOL.into(),
+            class: OpClass::NonRetryable.code(),
+            volatile_fields: vec!["ref".into(), "ts".into()],
+            ..Default::default()
+        },
+    )?;
+    effects_from(ledger, 1_000_000, warmup)?;
+    let started = Instant::now();
+    measured_effects(ledger, effects)?;
+    Ok(started.elapsed())
+}
+
+/// The measured effects: the function a callgrind run toggles collection on (never inlined,
+/// so its name stays in the binary; the warm-up calls [`effects_from`] outside it).
+#[inline(never)]
+pub fn measured_effects<S: fence_server::store::Store>(
+    ledger: &fence_server::ledger::Ledger<S>,
+    effects: u64,
+) -> Result<()> {
+    effects_from(ledger, 0, effects)
+}
+
+/// `effects` begin+complete pairs through the ledger, numbered from `first`, 100 per run.
+#[inline(never)]
+fn effects_from<S: fence_server::store::Store>(
+    ledger: &fence_server::ledger::Ledger<S>,
+    first: u64,
+    effects: u64,
+) -> Result<()> {
+    for n in first..first + effects {
+        let cmd = BeginCmd {
+            run_id: format!("cost-{}", n / 100),
+            tool: TOOL.into(),
+            step_key: format!("s{n}"),
+            arguments_json: arguments(0, n),
+            ..Default::default()
+        };
+        let Decision::Execute { receipt, .. } = ledger.begin(TENANT, &cmd)?.decision else {
+            bail!("expected a grant for effect {n}");
+        };
+        ledger.complete(
+            TENANT,
+            &receipt.id().to_string(),
+            receipt.attempt,
+            0,
+            LedgerOutcome::Completed(format!("tx-{n}").into_bytes()),
+        )?;
+    }
+    Ok(())
+}
+
+/// CPU time a process has used, all its threads.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuTime {
+    /// In user mode.
+    pub user: Duration,
+    /// In the kernel on its behalf.
+    pub system: Duration,
+}
+
+impl CpuTime {
+    /// User plus system.
+    pub fn total(&self) -> Duration {
+        self.user + self.system
+    }
+}
+
+impl std::ops::Sub for CpuTime {
+    type Output = CpuTime;
+    fn sub(self, rhs: CpuTime) -> CpuTime {
+        CpuTime {
+            user: self.user.saturating_sub(rhs.user),
+            system: self.system.saturating_sub(rhs.system),
+        }
+    }
+}
+
+/// CPU time (user and system) a process has used, all its threads, from `/proc/PID/stat`.
+pub fn process_cpu(pid: u32) -> Result<CpuTime> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("read /proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) start at field 3 (state).
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("malformed /proc stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the state.
+    let ticks = |i: usize| -> Result<Duration> {
+        let t: u64 = fields
+            .get(i)
+            .and_then(|f| f.parse().ok())
+            .context("malformed /proc stat times")?;
+        // USER_HZ is 100 on every Linux ABI the server builds for.
+        Ok(Duration::from_millis(t * 10))
+    };
+    Ok(CpuTime {
+        user: ticks(11)?,
+        system: ticks(12)?,
+    })
 }
 
 /// Bytes under `path` (recursively).

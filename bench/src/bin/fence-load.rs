@@ -6,6 +6,11 @@
 //!   as an idempotency-key table in PostgreSQL with `synchronous_commit=on`, at each
 //!   concurrency; then the targets, met or not.
 //! - `fence-load scale`: latency and server memory with 0, 1M, 10M... stored effects.
+//! - `fence-load cost`: `fenced`'s CPU time per effect (user + system, from /proc) over a
+//!   fixed number of effects at each concurrency: a measure that machine noise barely moves.
+//! - `fence-load ledger`: the ledger alone in this process (no gRPC), a fixed number of
+//!   effects in one function, for `valgrind --tool=callgrind` to count instructions per
+//!   effect (see scripts/bench-cost.sh).
 //!
 //! Build with `cargo build --release --workspace --bins` and run from `target/release`.
 
@@ -82,6 +87,30 @@ enum Command {
         /// Preload threads.
         #[arg(long, default_value_t = 64)]
         preload_threads: usize,
+    },
+    /// fenced's CPU time per effect over a fixed number of effects at each concurrency.
+    Cost {
+        #[command(flatten)]
+        common: Common,
+        /// Effects measured at each concurrency (after 1000 unmeasured ones).
+        #[arg(long, default_value_t = 20_000)]
+        effects: u64,
+    },
+    /// The ledger in this process, no gRPC: a fixed number of begin+complete pairs.
+    Ledger {
+        /// Effects measured (after `--warmup` unmeasured ones).
+        #[arg(long, default_value_t = 2000)]
+        effects: u64,
+        /// Unmeasured effects first.
+        #[arg(long, default_value_t = 200)]
+        warmup: u64,
+        /// RocksDB in this directory, every write synced as fenced does (default: a new
+        /// directory under target/); `--mem` uses the in-memory store instead.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The in-memory store: the ledger's own work without RocksDB's.
+        #[arg(long, conflicts_with = "dir")]
+        mem: bool,
     },
 }
 
@@ -421,6 +450,70 @@ async fn scale(common: Common, sizes: Vec<u64>, threads: usize) -> Result<()> {
     Ok(())
 }
 
+async fn cost(common: Common, effects: u64) -> Result<()> {
+    let dir = work_dir(&common)?;
+    println!("machine: {}; data dir {}", machine(), dir.display());
+    let fenced = start_fenced(&common, &dir.join("fence-data"), &dir.join("fenced.log")).await?;
+    load::register_tool(fenced.channel().await?).await?;
+    let target = Target::Fence(channels(&fenced, common.connections).await?);
+    let batch = common.batch.max(1) as u64;
+    println!(
+        "\n| concurrency | effects | effects/s | p50 ms | p99 ms | fenced CPU s (user + sys) | fenced CPU us per effect |\n|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for &c in &common.concurrency {
+        let c = c.max(1);
+        let turns = |n: u64| (n / (c as u64 * batch)).max(1);
+        let warm = load::Budget::Turns(turns(1000));
+        load::run_loop(&target, &format!("cost-warm-c{c}"), c, common.batch, warm).await?;
+        let before = load::process_cpu(fenced.pid())?;
+        let budget = load::Budget::Turns(turns(effects));
+        let m = load::run_loop(&target, &format!("cost-c{c}"), c, common.batch, budget).await?;
+        let cpu = load::process_cpu(fenced.pid())? - before;
+        println!(
+            "| {c} | {} | {:.0} | {:.3} | {:.3} | {:.2} ({:.2} + {:.2}) | {:.0} |",
+            m.ops,
+            m.throughput(),
+            m.p50(),
+            m.p99(),
+            cpu.total().as_secs_f64(),
+            cpu.user.as_secs_f64(),
+            cpu.system.as_secs_f64(),
+            cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64
+        );
+    }
+    fenced.stop().await;
+    if common.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}
+
+fn ledger(effects: u64, warmup: u64, dir: Option<PathBuf>, mem: bool) -> Result<()> {
+    let scratch = match (&dir, mem) {
+        (_, true) => None,
+        (Some(d), false) => Some(d.clone()),
+        (None, false) => {
+            let exe = std::env::current_exe()?;
+            let target = exe
+                .parent()
+                .and_then(Path::parent)
+                .context("target directory")?;
+            Some(target.join(format!("fence-ledger-{}", std::process::id())))
+        }
+    };
+    let took = load::ledger_effects(scratch.as_deref(), warmup, effects)?;
+    println!(
+        "{effects} effects on the {} store in {:.3} s: {:.1} us per effect (wall)",
+        if mem { "in-memory" } else { "RocksDB" },
+        took.as_secs_f64(),
+        took.as_secs_f64() * 1e6 / effects.max(1) as f64
+    );
+    if let (None, Some(d)) = (dir, scratch) {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     match Args::parse().command {
@@ -435,5 +528,12 @@ async fn main() -> Result<()> {
             sizes,
             preload_threads,
         } => scale(common, sizes, preload_threads).await,
+        Command::Cost { common, effects } => cost(common, effects).await,
+        Command::Ledger {
+            effects,
+            warmup,
+            dir,
+            mem,
+        } => ledger(effects, warmup, dir, mem),
     }
 }
