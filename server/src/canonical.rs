@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use crate::store::keys::DeriveKey;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
@@ -153,7 +154,8 @@ pub fn canonical_intent(args: &Value, schema: &IntentSchema) -> Vec<u8> {
 /// blake3 over the tool name and the canonical intent: equal for the same intent, whatever the
 /// volatile fields, key order, whitespace or number spelling.
 pub fn intent_fingerprint(tool: &str, canonical: &[u8]) -> Fingerprint {
-    let mut h = blake3::Hasher::new_derive_key("fence.v1 intent fingerprint");
+    static CONTEXT: DeriveKey = DeriveKey::new("fence.v1 intent fingerprint");
+    let mut h = CONTEXT.hasher();
     h.update(&(tool.len() as u64).to_be_bytes());
     h.update(tool.as_bytes());
     h.update(canonical);
@@ -162,7 +164,8 @@ pub fn intent_fingerprint(tool: &str, canonical: &[u8]) -> Fingerprint {
 
 /// blake3 over the tool name and the raw arguments as sent (audit only; never used to match).
 pub fn request_fingerprint(tool: &str, raw_arguments: &str) -> Fingerprint {
-    let mut h = blake3::Hasher::new_derive_key("fence.v1 request fingerprint");
+    static CONTEXT: DeriveKey = DeriveKey::new("fence.v1 request fingerprint");
+    let mut h = CONTEXT.hasher();
     h.update(&(tool.len() as u64).to_be_bytes());
     h.update(tool.as_bytes());
     h.update(raw_arguments.as_bytes());

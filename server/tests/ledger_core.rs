@@ -4,11 +4,14 @@
 mod common;
 
 use common::*;
+use fence_server::ledger::CredentialUse;
+use fence_server::ledger::credentials::CredentialDef;
 use fence_server::ledger::outcome::{ListQuery, OutcomeKey};
+use fence_server::ledger::records::RunRecord;
 use fence_server::ledger::{
     BeginCmd, Decision, Finding, LedgerError, OpClass, Outcome, Reason, Recovery, State, ToolDef,
 };
-use fence_server::store::Store;
+use fence_server::store::{Batch, Store, codec, keys};
 
 const TRANSFER: &str = "bank.transfer";
 const ARGS: &str = r#"{"to":"bob","amount":100,"reference":"u-1","ts":"2026-01-01T00:00:00Z"}"#;
@@ -558,6 +561,77 @@ fn re_registration_is_versioned_and_never_changes_what_a_receipt_means() {
         "pay",
         r#"{"amt":6,"ref":"z","memo":"other"}"#,
     )));
+}
+
+/// Registers `pay` with `volatile` as its volatile fields (a new version when they change).
+fn pay_tool(h: &Harness, volatile: &[&str]) {
+    h.tool("pay", OpClass::NonRetryable, volatile);
+}
+
+/// A keyless repeat is found through the intent index under the version its receipt was
+/// recorded with, though the call is now fingerprinted under a newer schema: the run
+/// remembers which versions it holds, and a run written before it remembered (no list) is
+/// searched under every version.
+#[test]
+fn a_keyless_repeat_is_found_under_the_version_its_receipt_was_recorded_with() {
+    let h = harness();
+    pay_tool(&h, &["ref"]);
+    let args = r#"{"amt":5,"ref":"a","memo":"x"}"#;
+    let first = executed(h.begin(&call("r1", "pay", args)));
+    complete(&h, &first, "ok");
+    let other_run = executed(h.begin(&call("r2", "pay", args)));
+    complete(&h, &other_run, "ok");
+    // v2 makes `memo` volatile: the call's v2 fingerprint differs from the receipts' (v1).
+    pay_tool(&h, &["ref", "memo"]);
+    let again = r#"{"amt":5,"ref":"b","memo":"x"}"#;
+    let dup = refused(h.begin(&call("r1", "pay", again)), Reason::DuplicateIntent);
+    assert_eq!(dup.receipt.unwrap().id(), first.id());
+
+    // r2 as a run record written before runs tracked their tool versions.
+    let rk = keys::run_key(T, "r2");
+    let bytes = h.ledger.store().get(&keys::run(&rk)).unwrap().unwrap();
+    let mut run: RunRecord = codec::decode(&keys::run(&rk), &bytes).unwrap();
+    assert!(run.tracks_tool_versions);
+    assert_eq!(run.tool_versions.len(), 1);
+    run.tracks_tool_versions = false;
+    run.tool_versions.clear();
+    let mut batch = Batch::new();
+    batch.put(keys::run(&rk), codec::encode(&run));
+    h.ledger.store().write(batch).unwrap();
+    let dup = refused(h.begin(&call("r2", "pay", again)), Reason::DuplicateIntent);
+    assert_eq!(dup.receipt.unwrap().id(), other_run.id());
+
+    // A fresh run has no v1 effects: the call is new there.
+    let fresh = executed(h.begin(&call("r3", "pay", again)));
+    assert_eq!(fresh.tool_version, 2);
+}
+
+/// A credential bound to a call under one tool version still admits that call after the
+/// tool's schema changed, on a run that never used the old version.
+#[test]
+fn a_credential_bound_under_an_older_tool_version_still_admits_its_call() {
+    let h = harness();
+    pay_tool(&h, &["ref"]);
+    h.ledger
+        .register_credential(
+            T,
+            &CredentialDef {
+                token: b"approval-1".to_vec(),
+                budget: 1,
+                bound_tool: "pay".into(),
+                bound_arguments_json: r#"{"amt":5,"memo":"x"}"#.into(),
+            },
+        )
+        .unwrap();
+    pay_tool(&h, &["ref", "memo"]);
+    let approved = BeginCmd {
+        credentials: vec![CredentialUse {
+            token: b"approval-1".to_vec(),
+            budget: 1,
+        }],
+        ..call("fresh-run", "pay", r#"{"amt":5,"ref":"q","memo":"x"}"#)
+    };
+    executed(h.begin(&approved));
 }
 
 fn replayed_or_in_progress(d: Decision) {

@@ -26,7 +26,7 @@ use super::records::{
     Adoption, BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, OpenStep,
     RunRecord,
 };
-use super::tools::Tool;
+use super::tools::{Fingerprints, Tool, note_tool_version};
 use super::{
     BeginCmd, Decision, EffectId, Ledger, LedgerError, MAIN_BRANCH, OpClass, Reason, Recovery,
     Refusal, Result, State, check_epoch,
@@ -57,9 +57,12 @@ struct Call<'a> {
     rk: RunKey,
     run: RunRecord,
     branch: u32,
-    tool: Tool,
-    /// The call's fingerprint under every tool version, oldest first (index = version).
-    fps: Vec<Fingerprint>,
+    tool: std::sync::Arc<Tool>,
+    /// The call's fingerprints by tool version (those its run holds effects of, and the
+    /// current one).
+    fps: Fingerprints,
+    /// The parsed arguments.
+    args: Value,
     request_fp: Fingerprint,
     credential_hashes: Vec<[u8; 32]>,
     compensates_seq: u64,
@@ -72,7 +75,7 @@ impl Call<'_> {
     }
 
     fn fp(&self) -> &Fingerprint {
-        &self.fps[self.tool.record.version as usize]
+        self.fps.current()
     }
 
     /// Is `rec` the same intent as this call, judged under the schema version `rec` was
@@ -81,7 +84,7 @@ impl Call<'_> {
         rec.tool == self.tool.record.name
             && self
                 .fps
-                .get(rec.tool_version as usize)
+                .get(rec.tool_version)
                 .is_some_and(|fp| fp[..] == rec.intent_fp[..])
     }
 
@@ -212,7 +215,7 @@ impl<S: Store> Ledger<S> {
         };
 
         let tool = self.current_tool(tenant, &cmd.tool)?;
-        let fps = self.fingerprints(tenant, &tool, &args)?;
+        let fps = self.fingerprints(tenant, &tool, &args, Some(&run))?;
         let call = Call {
             tenant,
             cmd,
@@ -222,6 +225,7 @@ impl<S: Store> Ledger<S> {
             request_fp: canonical::request_fingerprint(&cmd.tool, &cmd.arguments_json),
             tool,
             fps,
+            args,
             credential_hashes,
             compensates_seq,
             now,
@@ -595,11 +599,11 @@ impl<S: Store> Ledger<S> {
     ) -> Result<Option<u64>> {
         let mut best: Option<usize> = None;
         for &b in branches {
-            for fp in distinct(&call.fps) {
+            for fp in call.fps.distinct() {
                 let prefix = keys::intent_prefix(&call.rk, b, &fp);
                 for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
                     let entry: IndexEntry = codec::decode(&k, &v)?;
-                    if call.fps.get(entry.tool_version as usize) != Some(&fp) {
+                    if call.fps.get(entry.tool_version) != Some(&fp) {
                         continue;
                     }
                     if let Some(i) = seqs.iter().position(|s| *s == entry.seq) {
@@ -624,7 +628,7 @@ impl<S: Store> Ledger<S> {
         rk: &RunKey,
         run: &RunRecord,
         branch: u32,
-        fps: &[Fingerprint],
+        fps: &Fingerprints,
     ) -> Result<(u32, Option<u64>)> {
         let entries = self.lineage_intent_entries(rk, run, branch, fps)?;
         let latest = entries.iter().map(|(_, e)| e.seq).max();
@@ -638,9 +642,9 @@ impl<S: Store> Ledger<S> {
         rk: &RunKey,
         run: &RunRecord,
         branch: u32,
-        fps: &[Fingerprint],
+        fps: &Fingerprints,
     ) -> Result<Vec<(u32, IndexEntry)>> {
-        let distinct = distinct(fps);
+        let distinct = fps.distinct();
         let mut out: Vec<(u32, IndexEntry)> = Vec::new();
         for (b, limit) in run.lineage(branch) {
             for fp in &distinct {
@@ -648,7 +652,7 @@ impl<S: Store> Ledger<S> {
                 for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
                     let entry: IndexEntry = codec::decode(&k, &v)?;
                     if entry.position < limit
-                        && fps.get(entry.tool_version as usize) == Some(fp)
+                        && fps.get(entry.tool_version) == Some(fp)
                         && !out.iter().any(|(_, e)| e.seq == entry.seq)
                     {
                         out.push((b, entry));
@@ -657,6 +661,16 @@ impl<S: Store> Ledger<S> {
             }
         }
         Ok(out)
+    }
+
+    /// Does the intent a credential is bound to (fingerprinted under the tool version current
+    /// when it was issued) equal the call's, under any version of the tool?
+    fn bound_intent_matches(&self, call: &Call<'_>, cred: &CredentialRecord) -> Result<bool> {
+        if call.fps.iter().any(|fp| fp[..] == cred.bound_intent[..]) {
+            return Ok(true);
+        }
+        let every = self.fingerprints(call.tenant, &call.tool, &call.args, None)?;
+        Ok(every.iter().any(|fp| fp[..] == cred.bound_intent[..]))
     }
 
     /// Checks every presented credential; see [`Gate`].
@@ -685,9 +699,7 @@ impl<S: Store> Ledger<S> {
                     ),
                 )));
             }
-            if !cred.bound_intent.is_empty()
-                && !call.fps.iter().any(|fp| fp[..] == cred.bound_intent[..])
-            {
+            if !cred.bound_intent.is_empty() && !self.bound_intent_matches(call, &cred)? {
                 return Ok(Gate::Refused(Refusal::new(
                     Reason::CredentialMismatch,
                     Recovery::Reauthenticate,
@@ -1018,6 +1030,7 @@ impl<S: Store> Ledger<S> {
             batch.put(keys::credential(&tk, &hash), codec::encode(&*cred));
         }
         call.run.next_seq = seq + 1;
+        note_tool_version(&mut call.run, &rec.tool, rec.tool_version);
         self.note_open_step(&mut call, rec.position)?;
         call.run.branches[call.branch as usize].length += 1;
         batch.put(keys::run(&call.rk), codec::encode(&call.run));
@@ -1067,18 +1080,6 @@ impl<S: Store> Ledger<S> {
     }
 }
 
-/// The distinct fingerprints of `fps` (indexed by tool version), newest version first: what a
-/// call is looked up by, since receipts may predate the current version.
-fn distinct(fps: &[Fingerprint]) -> Vec<Fingerprint> {
-    let mut out: Vec<Fingerprint> = Vec::with_capacity(fps.len());
-    for fp in fps.iter().rev() {
-        if !out.contains(fp) {
-            out.push(*fp);
-        }
-    }
-    out
-}
-
 /// A fresh run record: epoch 1, branch "main".
 pub(super) fn new_run(tenant: &str, run_id: &str, now: u64) -> RunRecord {
     RunRecord {
@@ -1094,12 +1095,15 @@ pub(super) fn new_run(tenant: &str, run_id: &str, now: u64) -> RunRecord {
             ..Default::default()
         }],
         checkpoint_count: 0,
+        tracks_tool_versions: true,
+        tool_versions: Vec::new(),
     }
 }
 
 /// The downstream idempotency key: from the effect's identity, never from the attempt.
 fn downstream_key(call: &Call<'_>, occurrence: u32) -> String {
-    let mut h = blake3::Hasher::new_derive_key("fence.v1 downstream key");
+    static CONTEXT: keys::DeriveKey = keys::DeriveKey::new("fence.v1 downstream key");
+    let mut h = CONTEXT.hasher();
     for part in [
         call.tenant.as_bytes(),
         call.cmd.run_id.as_bytes(),

@@ -63,6 +63,8 @@ pub struct Limits {
     pub max_tool_versions: u32,
     /// Maximum calls in one BeginBatch or CompleteBatch.
     pub max_batch_calls: usize,
+    /// Tool versions (and, separately, current versions) kept parsed in memory.
+    pub max_cached_tools: usize,
 }
 
 impl Default for Limits {
@@ -81,6 +83,7 @@ impl Default for Limits {
             max_schema_paths: 64,
             max_tool_versions: 1000,
             max_batch_calls: 128,
+            max_cached_tools: 10_000,
         }
     }
 }
@@ -159,6 +162,8 @@ pub struct Ledger<S> {
     runs: Stripes,
     /// Serialises spending per credential; always taken after a run stripe.
     credentials: Stripes,
+    /// Parsed tool versions and current versions.
+    tools: tools::ToolCache,
 }
 
 impl<S: Store> Ledger<S> {
@@ -167,6 +172,7 @@ impl<S: Store> Ledger<S> {
         Self {
             store,
             clock,
+            tools: tools::ToolCache::new(config.limits.max_cached_tools),
             config,
             runs: Stripes::new(4096),
             credentials: Stripes::new(1024),

@@ -25,6 +25,26 @@ pub struct RunRecord {
     /// How many checkpoints the run has (their ordinal source).
     #[prost(uint32, tag = "7")]
     pub checkpoint_count: u32,
+    /// True when `tool_versions` lists every tool version this run's intent index holds
+    /// entries of. Runs recorded before the list existed are false: a call on them is
+    /// looked up under every version of its tool.
+    #[prost(bool, tag = "8")]
+    pub tracks_tool_versions: bool,
+    /// The tool versions this run's effects were fingerprinted under, by tool: a call is
+    /// fingerprinted and looked up only under these and the tool's current version.
+    #[prost(message, repeated, tag = "9")]
+    pub tool_versions: Vec<ToolVersions>,
+}
+
+/// The versions of one tool a run's effects were recorded under.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ToolVersions {
+    /// The tool's name.
+    #[prost(string, tag = "1")]
+    pub tool: String,
+    /// Its versions, ascending.
+    #[prost(uint32, repeated, tag = "2")]
+    pub versions: Vec<u32>,
 }
 
 /// A branch of a run.

@@ -6,10 +6,67 @@
 //! new schema never changes what an old receipt means. An unregistered tool is version 0:
 //! NON_RETRYABLE with no volatile fields.
 
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
 use super::records::{ToolHead, ToolRecord};
 use super::{Ledger, LedgerError, OpClass, Result, ToolDef};
 use crate::canonical::{self, Fingerprint, IntentSchema, StringRule};
 use crate::store::{Batch, Store, codec, keys};
+
+/// Parsed tools in memory, so a call neither reads nor parses its tool's records.
+///
+/// A tool version never changes once written, so cached versions are never stale; a tool's
+/// current version changes only through [`Ledger::register_tool`], which updates the cache
+/// after its write is durable, and only this process writes the store (RocksDB's lock file
+/// keeps a second process out of the data dir). Bounded: when `capacity` entries are cached
+/// the cache is emptied and refills from the store.
+pub(crate) struct ToolCache {
+    capacity: usize,
+    /// Current version by tool head key.
+    heads: RwLock<HashMap<Vec<u8>, u32>>,
+    /// Parsed versions by tool version key.
+    versions: RwLock<HashMap<Vec<u8>, Arc<Tool>>>,
+}
+
+impl ToolCache {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            heads: RwLock::default(),
+            versions: RwLock::default(),
+        }
+    }
+
+    fn head(&self, key: &[u8]) -> Option<u32> {
+        read(&self.heads).get(key).copied()
+    }
+
+    fn set_head(&self, key: Vec<u8>, version: u32) {
+        insert_bounded(&self.heads, self.capacity, key, version);
+    }
+
+    fn version(&self, key: &[u8]) -> Option<Arc<Tool>> {
+        read(&self.versions).get(key).cloned()
+    }
+
+    fn set_version(&self, key: Vec<u8>, tool: Arc<Tool>) {
+        insert_bounded(&self.versions, self.capacity, key, tool);
+    }
+}
+
+fn read<K, V>(lock: &RwLock<HashMap<K, V>>) -> std::sync::RwLockReadGuard<'_, HashMap<K, V>> {
+    // The maps hold only copies of durable records: a panic elsewhere leaves them valid.
+    lock.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn insert_bounded<V>(lock: &RwLock<HashMap<Vec<u8>, V>>, capacity: usize, key: Vec<u8>, value: V) {
+    let mut map = lock.write().unwrap_or_else(|e| e.into_inner());
+    if map.len() >= capacity && !map.contains_key(&key) {
+        map.clear();
+    }
+    map.insert(key, value);
+}
 
 /// A tool version with its parsed schema.
 #[derive(Debug, Clone)]
@@ -109,12 +166,12 @@ impl<S: Store> Ledger<S> {
         let tk = keys::tenant_key(tenant);
         let head_key = keys::tool_head(&tk, &def.name);
         let _guard = self.runs.lock(&head_key);
-        let current = self
-            .get::<ToolHead>(&head_key)?
-            .map(|h| h.version)
-            .unwrap_or(0);
+        let current = self.tool_head(&head_key)?;
         if current > 0 {
-            let existing = self.tool_version(tenant, &def.name, current)?.record;
+            let existing = self
+                .tool_version(tenant, &def.name, current)?
+                .record
+                .clone();
             let same = ToolRecord {
                 version: 0,
                 registered_at_ms: 0,
@@ -141,22 +198,37 @@ impl<S: Store> Ledger<S> {
             codec::encode(&record),
         );
         batch.put(
-            head_key,
+            head_key.clone(),
             codec::encode(&ToolHead {
                 version: record.version,
             }),
         );
         self.store.write(batch)?;
+        self.tools.set_head(head_key, record.version);
         Ok((record, true))
     }
 
     /// The current definition of a tool (version 0 if unregistered).
-    pub fn current_tool(&self, tenant: &str, name: &str) -> Result<Tool> {
+    pub fn current_tool(&self, tenant: &str, name: &str) -> Result<Arc<Tool>> {
         let tk = keys::tenant_key(tenant);
-        match self.get::<ToolHead>(&keys::tool_head(&tk, name))? {
-            Some(head) => self.tool_version(tenant, name, head.version),
-            None => Ok(Tool::unregistered(name)),
+        match self.tool_head(&keys::tool_head(&tk, name))? {
+            0 => Ok(Arc::new(Tool::unregistered(name))),
+            version => self.tool_version(tenant, name, version),
         }
+    }
+
+    /// A tool's current version (0: never registered), from the cache or the store.
+    fn tool_head(&self, head_key: &[u8]) -> Result<u32> {
+        if let Some(version) = self.tools.head(head_key) {
+            return Ok(version);
+        }
+        let version = self.get::<ToolHead>(head_key)?.map_or(0, |h| h.version);
+        // A name never registered is not cached: any string may be called as a tool, and
+        // those must not evict the registered ones.
+        if version > 0 {
+            self.tools.set_head(head_key.to_vec(), version);
+        }
+        Ok(version)
     }
 
     /// A registered version of a tool (0 = the current one), as `GetTool` answers: a name
@@ -177,43 +249,118 @@ impl<S: Store> Ledger<S> {
             )
             .into());
         }
-        Ok(tool.record)
+        Ok(tool.record.clone())
     }
 
     /// A given version of a tool (0 = the unregistered definition).
-    pub fn tool_version(&self, tenant: &str, name: &str, version: u32) -> Result<Tool> {
+    pub fn tool_version(&self, tenant: &str, name: &str, version: u32) -> Result<Arc<Tool>> {
         if version == 0 {
-            return Ok(Tool::unregistered(name));
+            return Ok(Arc::new(Tool::unregistered(name)));
         }
         let tk = keys::tenant_key(tenant);
-        let record = self
-            .get::<ToolRecord>(&keys::tool(&tk, name, version))?
-            .ok_or_else(|| {
-                LedgerError::from(super::Refusal::new(
-                    super::Reason::UnknownRecord,
-                    super::Recovery::FixArgument,
-                    format!("Tool {name:?} has no version {version}."),
-                ))
-            })?;
-        Tool::from_record(record)
+        let key = keys::tool(&tk, name, version);
+        if let Some(tool) = self.tools.version(&key) {
+            return Ok(tool);
+        }
+        let record = self.get::<ToolRecord>(&key)?.ok_or_else(|| {
+            LedgerError::from(super::Refusal::new(
+                super::Reason::UnknownRecord,
+                super::Recovery::FixArgument,
+                format!("Tool {name:?} has no version {version}."),
+            ))
+        })?;
+        let tool = Arc::new(Tool::from_record(record)?);
+        self.tools.set_version(key, tool.clone());
+        Ok(tool)
     }
 
-    /// The fingerprints of `args` under every version of the tool up to `current`, indexed
-    /// by version: receipts may predate `current`, and each is compared under its own version.
+    /// The fingerprints of `args` under the tool versions `run` holds effects of and the
+    /// current one (every version up to `current` for a run that does not track them, or
+    /// when `run` is `None`): receipts may predate `current`, and each is compared under its
+    /// own version.
     pub(crate) fn fingerprints(
         &self,
         tenant: &str,
         current: &Tool,
         args: &serde_json::Value,
-    ) -> Result<Vec<Fingerprint>> {
-        let mut out = Vec::with_capacity(current.record.version as usize + 1);
-        for v in 0..current.record.version {
-            out.push(
+        run: Option<&super::records::RunRecord>,
+    ) -> Result<Fingerprints> {
+        let latest = current.record.version;
+        let mut by_version = vec![None; latest as usize + 1];
+        let older: Vec<u32> = match run {
+            Some(run) if run.tracks_tool_versions => run
+                .tool_versions
+                .iter()
+                .find(|t| t.tool == current.record.name)
+                .map(|t| t.versions.iter().copied().filter(|v| *v < latest).collect())
+                .unwrap_or_default(),
+            _ => (0..latest).collect(),
+        };
+        for v in older {
+            by_version[v as usize] = Some(
                 self.tool_version(tenant, &current.record.name, v)?
                     .fingerprint(args),
             );
         }
-        out.push(current.fingerprint(args));
-        Ok(out)
+        by_version[latest as usize] = Some(current.fingerprint(args));
+        Ok(Fingerprints(by_version))
+    }
+}
+
+/// A call's intent fingerprints, indexed by tool version; only the versions a lookup needs
+/// are computed (see [`Ledger::fingerprints`]), the current one always.
+#[derive(Debug, Clone)]
+pub(crate) struct Fingerprints(Vec<Option<Fingerprint>>);
+
+impl Fingerprints {
+    /// The fingerprint under `version`, if computed.
+    pub(crate) fn get(&self, version: u32) -> Option<&Fingerprint> {
+        self.0.get(version as usize).and_then(Option::as_ref)
+    }
+
+    /// The fingerprint under the current version.
+    pub(crate) fn current(&self) -> &Fingerprint {
+        self.0
+            .last()
+            .and_then(Option::as_ref)
+            .expect("the current version is always computed")
+    }
+
+    /// The computed fingerprints.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Fingerprint> {
+        self.0.iter().flatten()
+    }
+
+    /// The distinct computed fingerprints, newest version first: what a call is looked up
+    /// by, since receipts may predate the current version.
+    pub(crate) fn distinct(&self) -> Vec<Fingerprint> {
+        let mut out: Vec<Fingerprint> = Vec::with_capacity(self.0.len());
+        for fp in self.0.iter().rev().flatten() {
+            if !out.contains(fp) {
+                out.push(*fp);
+            }
+        }
+        out
+    }
+}
+
+/// Notes in `run` that one of its effects was recorded under `version` of `tool`.
+pub(crate) fn note_tool_version(run: &mut super::records::RunRecord, tool: &str, version: u32) {
+    if !run.tracks_tool_versions {
+        return;
+    }
+    let i = match run.tool_versions.iter().position(|t| t.tool == tool) {
+        Some(i) => i,
+        None => {
+            run.tool_versions.push(super::records::ToolVersions {
+                tool: tool.to_owned(),
+                versions: Vec::new(),
+            });
+            run.tool_versions.len() - 1
+        }
+    };
+    let versions = &mut run.tool_versions[i].versions;
+    if let Err(at) = versions.binary_search(&version) {
+        versions.insert(at, version);
     }
 }
