@@ -6,6 +6,7 @@
 //! - [`ledger`]: the state machine (plain Rust): classes, states, leases, the replay-or-fork
 //!   decision, checkpoints/restores/forks, credentials, retention;
 //! - [`service`], [`convert`], [`status`]: the thin gRPC layer and the one error mapping;
+//! - [`sequencer`]: group commit of the decisions that write (one sync per drained group);
 //! - [`auth`], [`quota`], [`config`], [`server`]: tenants and tokens, per-tenant rate limits,
 //!   settings, wiring and shutdown;
 //! - [`trace`]: W3C `traceparent` parsing and the per-RPC span that carries it.
@@ -17,6 +18,7 @@ pub mod config;
 pub mod convert;
 pub mod ledger;
 pub mod quota;
+pub mod sequencer;
 #[cfg(feature = "rocksdb")]
 pub mod server;
 pub mod service;

@@ -1,5 +1,7 @@
-//! The gRPC service: thin handlers that authenticate, convert, run the ledger on a blocking
-//! thread (RocksDB calls never block tokio workers) and convert back.
+//! The gRPC service: thin handlers that authenticate, convert, run the ledger off the tokio
+//! workers (RocksDB calls never block them) and convert back. The decisions that write on the
+//! hot path (Begin, Complete, Heartbeat and their batches) go to the run's sequencer, which
+//! commits them in groups ([`crate::sequencer`]); the rest run on the blocking pool.
 
 use std::sync::Arc;
 
@@ -10,21 +12,57 @@ use crate::auth::tenant_of;
 use crate::convert;
 use crate::ledger::batch::CompleteCmd;
 use crate::ledger::{BeginCmd, Ledger, LedgerError};
+use crate::sequencer::{Sequencer, route_of};
 use crate::store::Store;
 
 /// The `fence.v1.Fence` service over a ledger.
 pub struct FenceService<S> {
     ledger: Arc<Ledger<S>>,
-}
-
-impl<S> FenceService<S> {
-    /// A service over `ledger`.
-    pub fn new(ledger: Arc<Ledger<S>>) -> Self {
-        Self { ledger }
-    }
+    sequencer: Sequencer<S>,
 }
 
 impl<S: Store> FenceService<S> {
+    /// A service over `ledger`, with one sequencer per core.
+    pub fn new(ledger: Arc<Ledger<S>>) -> Self {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self::with_sequencers(ledger, threads)
+    }
+
+    /// A service over `ledger` with `threads` sequencers (at least one).
+    pub fn with_sequencers(ledger: Arc<Ledger<S>>, threads: usize) -> Self {
+        Self {
+            sequencer: Sequencer::start(ledger.clone(), threads),
+            ledger,
+        }
+    }
+
+    /// Runs `f` on the sequencer of `route`, with the caller's tenant: answered once the
+    /// group it was decided in is durable.
+    async fn sequenced<T, Q, F>(
+        &self,
+        req: Request<Q>,
+        route: impl FnOnce(&str, &Q) -> u64,
+        f: F,
+    ) -> Result<Response<T>, Status>
+    where
+        T: Send + 'static,
+        Q: Send + 'static,
+        F: FnOnce(&Ledger<S>, &str, Q) -> Result<T, LedgerError> + Send + 'static,
+    {
+        let tenant = tenant_of(&req)?;
+        let body = req.into_inner();
+        let route = route(&tenant, &body);
+        // The request's span (its trace, see crate::trace) follows it onto the sequencer.
+        let span = tracing::Span::current();
+        let out = self
+            .sequencer
+            .submit(route, move |ledger| {
+                span.in_scope(|| f(ledger, &tenant, body))
+            })
+            .await?;
+        Ok(Response::new(out))
+    }
+
     /// Runs `f` against the ledger on the blocking pool, with the caller's tenant.
     async fn run<T, Q, F>(&self, req: Request<Q>, f: F) -> Result<Response<T>, Status>
     where
@@ -45,6 +83,14 @@ impl<S: Store> FenceService<S> {
             })?;
         Ok(Response::new(out?))
     }
+}
+
+/// The route of an effect's run (its id holds the run key); 0 for an id that does not parse,
+/// which the ledger then refuses.
+fn effect_route(effect_id: &str) -> u64 {
+    effect_id
+        .parse::<crate::ledger::EffectId>()
+        .map_or(0, |id| crate::sequencer::route_of_key(&id.run_key))
 }
 
 /// One call's error inside a batch: the status it would have failed with alone.
@@ -200,7 +246,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::BeginRequest>,
     ) -> Result<Response<pb::BeginResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.sequenced(req, |t, r| route_of(t, &r.run_id), |l, t, r| {
             let cmd = BeginCmd::try_from(r)?;
             let begun = l.begin(t, &cmd)?;
             tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
@@ -213,7 +259,10 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::BeginBatchRequest>,
     ) -> Result<Response<pb::BeginBatchResponse>, Status> {
-        self.run(req, |l, t, r| {
+        let route = |t: &str, r: &pb::BeginBatchRequest| {
+            r.calls.first().map_or(0, |c| route_of(t, &c.run_id))
+        };
+        self.sequenced(req, route, |l, t, r| {
             l.check_batch("calls", r.calls.len())?;
             let calls = r.calls.into_iter().map(BeginCmd::try_from).collect();
             let answers = in_order(calls, |cmds| l.begin_many(t, cmds))?;
@@ -238,7 +287,12 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::CompleteBatchRequest>,
     ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
-        self.run(req, |l, t, r| {
+        let route = |_: &str, r: &pb::CompleteBatchRequest| {
+            r.completions
+                .first()
+                .map_or(0, |c| effect_route(&c.effect_id))
+        };
+        self.sequenced(req, route, |l, t, r| {
             l.check_batch("completions", r.completions.len())?;
             let completions = r
                 .completions
@@ -273,7 +327,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        self.run(req, |l, t, r| {
+        let route = |_: &str, r: &pb::HeartbeatRequest| effect_route(&r.effect_id);
+        self.sequenced(req, route, |l, t, r| {
             let rec = l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)?;
             Ok(pb::HeartbeatResponse {
                 receipt: Some(convert::receipt(&rec, true)),
@@ -286,7 +341,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        self.run(req, |l, t, r| {
+        let route = |_: &str, r: &pb::CompleteRequest| effect_route(&r.effect_id);
+        self.sequenced(req, route, |l, t, r| {
             let outcome = convert::outcome(r.outcome)?;
             let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
             tracing::debug!(tenant = t, effect = %r.effect_id, state = rec.state, "complete");

@@ -337,6 +337,12 @@ impl Store for RocksStore {
     }
 
     fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
+        if DEFERRING.get() {
+            // Nested in another section (a batch inside a sequencer's group): the outer
+            // section syncs, and its caller answers nothing before that.
+            f();
+            return Ok(());
+        }
         let generation = self.generation.load(Ordering::Acquire);
         {
             let _restore = DeferringGuard(DEFERRING.replace(true));
