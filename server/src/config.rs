@@ -87,6 +87,12 @@ pub struct Config {
     /// RocksDB block cache, in MiB.
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,
+
+    /// Sequencer threads: the decisions that write (Begin, Complete, Heartbeat and their
+    /// batches) are committed in groups, one WAL sync per group, by this many threads, each
+    /// owning the runs that hash to it. 0 = one per core.
+    #[arg(long, env = "FENCE_SEQUENCERS", default_value_t = 0)]
+    pub sequencers: usize,
 }
 
 impl Config {

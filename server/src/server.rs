@@ -174,6 +174,8 @@ pub struct ServeOptions {
     pub tls: Option<ServerTlsConfig>,
     /// Per-tenant request rate limit (None = unlimited).
     pub rate_limit: Option<Arc<TenantRateLimit>>,
+    /// Sequencer threads (0 = one per core; see [`Config::sequencers`]).
+    pub sequencers: usize,
 }
 
 /// Serves until `shutdown` resolves, then drains in-flight calls and closes the store.
@@ -200,6 +202,7 @@ pub async fn serve(
         sweep_interval: Duration::from_millis(config.sweep_interval_ms.max(1)),
         tls,
         rate_limit,
+        sequencers: config.sequencers,
     };
     serve_ledger_with(listener, Arc::new(ledger), opts, shutdown).await
 }
@@ -217,6 +220,7 @@ pub async fn serve_ledger(
         sweep_interval,
         tls: None,
         rate_limit: None,
+        sequencers: 0,
     };
     serve_ledger_with(listener, ledger, opts, shutdown).await
 }
@@ -233,6 +237,7 @@ pub async fn serve_ledger_with(
         sweep_interval,
         tls,
         rate_limit,
+        sequencers,
     } = opts;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -246,7 +251,7 @@ pub async fn serve_ledger_with(
 
     let sweeper = tokio::spawn(sweep_loop(ledger.clone(), sweep_interval));
     let fence = InterceptedService::new(
-        FenceServer::new(FenceService::new(ledger.clone()))
+        FenceServer::new(FenceService::with_sequencers(ledger.clone(), sequencers))
             // Room for the largest allowed arguments/results plus framing; the ledger enforces
             // the precise limits with a field-level error.
             .max_decoding_message_size(16 << 20)

@@ -24,12 +24,15 @@ pub struct FenceService<S> {
 impl<S: Store> FenceService<S> {
     /// A service over `ledger`, with one sequencer per core.
     pub fn new(ledger: Arc<Ledger<S>>) -> Self {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Self::with_sequencers(ledger, threads)
+        Self::with_sequencers(ledger, 0)
     }
 
-    /// A service over `ledger` with `threads` sequencers (at least one).
+    /// A service over `ledger` with `threads` sequencers (0 = one per core).
     pub fn with_sequencers(ledger: Arc<Ledger<S>>, threads: usize) -> Self {
+        let threads = match threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
         Self {
             sequencer: Sequencer::start(ledger.clone(), threads),
             ledger,

@@ -88,6 +88,7 @@ impl TestServer {
                 sweep_interval: Duration::from_millis(50),
                 tls: opts.tls,
                 rate_limit: opts.rate_limit,
+                sequencers: 0,
             };
             fence_server::serve_ledger_with(listener, Arc::new(ledger), serve, async {
                 let _ = rx.await;
