@@ -183,6 +183,25 @@ trait EffectClient: Send + 'static {
     fn effect(&mut self, worker: u64, n: u64) -> impl Future<Output = Result<()>> + Send;
 }
 
+/// One health check per turn (see [`Target::Health`]).
+struct HealthChecks(tonic_health::pb::health_client::HealthClient<Channel>);
+
+impl EffectClient for HealthChecks {
+    fn batch(&self) -> u64 {
+        1
+    }
+
+    async fn effect(&mut self, _worker: u64, _n: u64) -> Result<()> {
+        self.0
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .context("health check")?;
+        Ok(())
+    }
+}
+
 /// The completion of effect `n`'s grant.
 fn completion(ex: pb::Execute, worker: u64, n: u64) -> pb::CompleteRequest {
     pb::CompleteRequest {
@@ -427,6 +446,9 @@ pub async fn pg_prepare(url: &str) -> Result<String> {
 pub enum Target {
     /// Fence over these channels (workers share them round-robin).
     Fence(Vec<Channel>),
+    /// The standard gRPC health check over these channels, one call per turn: the RPC stack's
+    /// ceiling on the same server, with no disk and no ledger in it.
+    Health(Vec<Channel>),
     /// The Postgres peer at this URL (one connection per worker).
     Postgres(String),
 }
@@ -501,6 +523,12 @@ pub async fn run_loop(
                     run_id,
                     batch: batch.max(1) as u64,
                 };
+                tasks.push(tokio::spawn(worker(client, w, start, limit, failures)));
+            }
+            Target::Health(channels) => {
+                let client = HealthChecks(tonic_health::pb::health_client::HealthClient::new(
+                    channels[w as usize % channels.len()].clone(),
+                ));
                 tasks.push(tokio::spawn(worker(client, w, start, limit, failures)));
             }
             Target::Postgres(url) => {

@@ -457,6 +457,7 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     load::register_tool(fenced.channel().await?).await?;
     let target = Target::Fence(channels(&fenced, common.connections).await?);
     let batch = common.batch.max(1) as u64;
+    let mut measured = Vec::new();
     println!(
         "\n| concurrency | effects | effects/s | p50 ms | p99 ms | fenced CPU s (user + sys) | fenced CPU us per effect |\n|---:|---:|---:|---:|---:|---:|---:|"
     );
@@ -479,6 +480,28 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
             cpu.user.as_secs_f64(),
             cpu.system.as_secs_f64(),
             cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64
+        );
+        measured.push((c, m.throughput()));
+    }
+    // The RPC stack's ceiling on the same server and connections: health checks, no disk.
+    let Target::Fence(chans) = target else {
+        unreachable!("cost measures Fence")
+    };
+    let health = Target::Health(chans);
+    println!(
+        "\n| concurrency | health checks/s (tonic ceiling) | fenced CPU us per check | Fence RPCs/s (2 per effect) | Fence / ceiling |\n|---:|---:|---:|---:|---:|"
+    );
+    for (c, fence_rate) in measured {
+        let before = load::process_cpu(fenced.pid())?;
+        let budget = load::Budget::Turns((effects / c as u64).max(1));
+        let m = load::run_loop(&health, &format!("health-c{c}"), c, 1, budget).await?;
+        let cpu = load::process_cpu(fenced.pid())? - before;
+        let rpcs = fence_rate * 2.0 / batch as f64;
+        println!(
+            "| {c} | {:.0} | {:.0} | {rpcs:.0} | {:.2} |",
+            m.throughput(),
+            cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64,
+            rpcs / m.throughput().max(1e-9)
         );
     }
     fenced.stop().await;
