@@ -20,7 +20,7 @@ use crate::store::keys;
 type Result<T> = std::result::Result<T, LedgerError>;
 
 /// A receipt for a record (`recorded` false: an unrecorded SAFE_RETRY grant, no effect id).
-pub fn receipt(rec: &EffectRecord, recorded: bool) -> pb::Receipt {
+pub fn receipt(rec: EffectRecord, recorded: bool) -> pb::Receipt {
     let rk = keys::run_key(&rec.tenant, &rec.run_id);
     let id_of = |seq: u64| {
         if seq == 0 {
@@ -35,65 +35,65 @@ pub fn receipt(rec: &EffectRecord, recorded: bool) -> pb::Receipt {
         } else {
             String::new()
         },
-        run_id: rec.run_id.clone(),
-        branch: rec.branch_name.clone(),
+        run_id: rec.run_id,
+        branch: rec.branch_name,
         epoch: rec.epoch,
         position: rec.position,
-        tool: rec.tool.clone(),
+        tool: rec.tool,
         tool_version: rec.tool_version,
         class: rec.class,
-        step_key: rec.step_key.clone(),
+        step_key: rec.step_key,
         intent_fingerprint: hex(&rec.intent_fp),
         request_fingerprint: hex(&rec.request_fp),
         occurrence: rec.occurrence,
         state: rec.state,
-        result: rec.result.clone(),
-        detail: rec.detail.clone(),
-        downstream_key: rec.downstream_key.clone(),
+        result: rec.result,
+        detail: rec.detail,
+        downstream_key: rec.downstream_key,
         attempt: rec.attempt,
         lease_expires_at_ms: rec.lease_expires_at_ms,
         created_at_ms: rec.created_at_ms,
         updated_at_ms: rec.updated_at_ms,
         expires_at_ms: rec.expires_at_ms,
         tombstone: rec.tombstone,
-        evidence: rec.evidence.clone(),
+        evidence: rec.evidence,
         replays: rec.replays,
         last_replay_epoch: rec.last_replay_epoch,
         credential_hashes: rec.credential_hashes.iter().map(|h| hex(h)).collect(),
-        saga_id: rec.saga_id.clone(),
-        compensation: (!rec.compensation_tool.is_empty()).then(|| pb::Compensation {
-            tool: rec.compensation_tool.clone(),
-            arguments_json: rec.compensation_arguments.clone(),
+        saga_id: rec.saga_id,
+        compensation: (!rec.compensation_tool.is_empty()).then_some(pb::Compensation {
+            tool: rec.compensation_tool,
+            arguments_json: rec.compensation_arguments,
         }),
         compensates_effect_id: id_of(rec.compensates_seq),
         compensated_by_effect_id: id_of(rec.compensated_by_seq),
-        arguments_json: rec.arguments_json.clone(),
+        arguments_json: rec.arguments_json,
         deliberate_repeat: rec.deliberate_repeat,
-        parent_checkpoint_id: rec.parent_checkpoint_id.clone(),
+        parent_checkpoint_id: rec.parent_checkpoint_id,
     }
 }
 
 /// A refusal message.
-pub fn refusal(r: &Refusal) -> pb::Refusal {
+pub fn refusal(r: Refusal) -> pb::Refusal {
     pb::Refusal {
         reason: r.reason.code(),
         recovery: r.recovery.code(),
-        receipt: r.receipt.as_ref().map(|rec| receipt(rec, true)),
-        message: r.message.clone(),
-        checkpoint_id: r.checkpoint_id.clone(),
+        receipt: r.receipt.map(|rec| receipt(*rec, true)),
+        message: r.message,
+        checkpoint_id: r.checkpoint_id,
         current_epoch: r.current_epoch,
     }
 }
 
 /// The Begin response.
-pub fn begin_response(b: &Begun) -> pb::BeginResponse {
+pub fn begin_response(b: Begun) -> pb::BeginResponse {
     use pb::decision::Outcome as O;
-    let outcome = match &b.decision {
+    let outcome = match b.decision {
         Decision::Execute {
             receipt: rec,
             recorded,
         } => O::Execute(pb::Execute {
-            effect_id: if *recorded {
+            effect_id: if recorded {
                 rec.id().to_string()
             } else {
                 String::new()
@@ -101,19 +101,19 @@ pub fn begin_response(b: &Begun) -> pb::BeginResponse {
             downstream_key: rec.downstream_key.clone(),
             lease_expires_at_ms: rec.lease_expires_at_ms,
             attempt: rec.attempt,
-            receipt: Some(receipt(rec, *recorded)),
+            receipt: Some(receipt(*rec, recorded)),
         }),
         Decision::Replay(rec) => O::Replay(pb::Replay {
-            receipt: Some(receipt(rec, true)),
+            receipt: Some(receipt(*rec, true)),
         }),
         Decision::InProgress {
             receipt: rec,
             retry_after_ms,
         } => O::InProgress(pb::InProgress {
-            receipt: Some(receipt(rec, true)),
-            retry_after_ms: *retry_after_ms,
+            receipt: Some(receipt(*rec, true)),
+            retry_after_ms,
         }),
-        Decision::Refused(r) => O::Refused(refusal(r)),
+        Decision::Refused(r) => O::Refused(refusal(*r)),
     };
     pb::BeginResponse {
         decision: Some(pb::Decision {
@@ -311,7 +311,11 @@ pub fn restore_response(r: &Restored) -> pb::RestoreResponse {
     pb::RestoreResponse {
         epoch: r.epoch,
         branch: r.branch.clone(),
-        tape: r.tape.iter().map(|rec| receipt(rec, true)).collect(),
+        tape: r
+            .tape
+            .iter()
+            .map(|rec| receipt(rec.clone(), true))
+            .collect(),
     }
 }
 

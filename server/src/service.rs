@@ -238,7 +238,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
                 carried: forked
                     .carried
                     .iter()
-                    .map(|r| convert::receipt(r, true))
+                    .map(|r| convert::receipt(r.clone(), true))
                     .collect(),
             })
         })
@@ -253,7 +253,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             let cmd = BeginCmd::try_from(r)?;
             let begun = l.begin(t, &cmd)?;
             tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
-            Ok(convert::begin_response(&begun))
+            Ok(convert::begin_response(begun))
         })
         .await
     }
@@ -275,7 +275,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
                 .map(|answer| pb::BeginResult {
                     result: Some(match answer {
                         Ok(begun) => {
-                            pb::begin_result::Result::Response(convert::begin_response(&begun))
+                            pb::begin_result::Result::Response(convert::begin_response(begun))
                         }
                         Err(e) => pb::begin_result::Result::Error(call_error(e)),
                     }),
@@ -315,7 +315,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
                 .map(|answer| pb::CompleteResult {
                     result: Some(match answer {
                         Ok(rec) => pb::complete_result::Result::Response(pb::CompleteResponse {
-                            receipt: Some(convert::receipt(&rec, true)),
+                            receipt: Some(convert::receipt(rec, true)),
                         }),
                         Err(e) => pb::complete_result::Result::Error(call_error(e)),
                     }),
@@ -334,7 +334,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         self.sequenced(req, route, |l, t, r| {
             let rec = l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)?;
             Ok(pb::HeartbeatResponse {
-                receipt: Some(convert::receipt(&rec, true)),
+                receipt: Some(convert::receipt(rec, true)),
             })
         })
         .await
@@ -350,7 +350,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
             tracing::debug!(tenant = t, effect = %r.effect_id, state = rec.state, "complete");
             Ok(pb::CompleteResponse {
-                receipt: Some(convert::receipt(&rec, true)),
+                receipt: Some(convert::receipt(rec, true)),
             })
         })
         .await
@@ -365,7 +365,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             let rec = l.reconcile(t, &r.effect_id, r.epoch, &r.evidence, finding)?;
             tracing::info!(tenant = t, effect = %r.effect_id, state = rec.state, "effect reconciled");
             Ok(pb::ReconcileResponse {
-                receipt: Some(convert::receipt(&rec, true)),
+                receipt: Some(convert::receipt(rec, true)),
             })
         })
         .await
@@ -380,7 +380,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             Ok(match l.query_outcome(t, &key)? {
                 Some(rec) => pb::QueryOutcomeResponse {
                     state: rec.state,
-                    receipt: Some(convert::receipt(&rec, true)),
+                    receipt: Some(convert::receipt(rec, true)),
                 },
                 None => pb::QueryOutcomeResponse {
                     state: pb::EffectState::NotFound as i32,
@@ -398,7 +398,10 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         self.run(req, |l, t, r| {
             let (effects, next_page_token) = l.list_effects(t, &convert::list_query(r))?;
             Ok(pb::ListEffectsResponse {
-                effects: effects.iter().map(|e| convert::receipt(e, true)).collect(),
+                effects: effects
+                    .into_iter()
+                    .map(|e| convert::receipt(e, true))
+                    .collect(),
                 next_page_token,
             })
         })

@@ -1077,3 +1077,120 @@ fn an_unkeyed_repeat_of_an_effect_that_failed_before_input_is_granted_again() {
         Reason::DuplicateIntent,
     );
 }
+
+/// Counts the store's durable and unsynced writes.
+#[derive(Default)]
+struct CountingStore {
+    inner: fence_server::store::MemStore,
+    durable: std::sync::atomic::AtomicUsize,
+    unsynced: std::sync::atomic::AtomicUsize,
+}
+
+impl Store for CountingStore {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, fence_server::store::StoreError> {
+        self.inner.get(key)
+    }
+    fn scan(
+        &self,
+        prefix: &[u8],
+        from: &[u8],
+        limit: usize,
+    ) -> Result<fence_server::store::Entries, fence_server::store::StoreError> {
+        self.inner.scan(prefix, from, limit)
+    }
+    fn write(&self, batch: Batch) -> Result<(), fence_server::store::StoreError> {
+        self.durable
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.write(batch)
+    }
+    fn write_unsynced(&self, batch: Batch) -> Result<(), fence_server::store::StoreError> {
+        self.unsynced
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.write(batch)
+    }
+}
+
+/// A replay's answer depends on nothing it writes: it waits for no sync. Its audit counters
+/// are still recorded (unsynced), and a replay that consumes something (here: binds a new step
+/// key as an alias) writes durably.
+#[test]
+fn a_replay_waits_for_no_sync_unless_its_answer_depends_on_a_write() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let ledger = fence_server::ledger::Ledger::new(
+        CountingStore::default(),
+        std::sync::Arc::new(fence_server::clock::ManualClock::new(1_700_000_000_000)),
+        fence_server::ledger::LedgerConfig::default(),
+    );
+    ledger
+        .register_tool(
+            T,
+            ToolDef {
+                name: TRANSFER.into(),
+                class: OpClass::NonRetryable.code(),
+                volatile_fields: vec!["reference".into(), "ts".into()],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    ledger
+        .checkpoint(
+            T,
+            &fence_server::ledger::runs::CheckpointCmd {
+                run_id: "r1".into(),
+                checkpoint_id: "cp-0".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let rec = match ledger
+        .begin(T, &keyed("r1", "pay", TRANSFER, ARGS))
+        .unwrap()
+        .decision
+    {
+        Decision::Execute { receipt, .. } => receipt,
+        other => panic!("{other:?}"),
+    };
+    ledger
+        .complete(
+            T,
+            &rec.id().to_string(),
+            rec.attempt,
+            0,
+            Outcome::Completed(b"tx".to_vec()),
+        )
+        .unwrap();
+    let store = ledger.store();
+    let durable = store.durable.load(SeqCst);
+    for n in 1..=3u32 {
+        match ledger
+            .begin(T, &keyed("r1", "pay", TRANSFER, DRIFTED))
+            .unwrap()
+            .decision
+        {
+            Decision::Replay(r) => assert_eq!(r.replays, n),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(store.durable.load(SeqCst), durable, "a plain replay synced");
+    assert_eq!(store.unsynced.load(SeqCst), 3);
+    // After a restore to before the effect, the agent's re-issued call replays it from the
+    // tape, and consuming the tape entry is part of later answers: that is written durably.
+    let restored = ledger.restore(T, "r1", "cp-0", 0).unwrap();
+    assert_eq!(restored.tape.len(), 1);
+    let durable = store.durable.load(SeqCst);
+    match ledger
+        .begin(
+            T,
+            &BeginCmd {
+                epoch: restored.epoch,
+                ..call("r1", TRANSFER, DRIFTED)
+            },
+        )
+        .unwrap()
+        .decision
+    {
+        Decision::Replay(_) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(store.durable.load(SeqCst), durable + 1);
+}

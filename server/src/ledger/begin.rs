@@ -759,6 +759,7 @@ impl<S: Store> Ledger<S> {
         }
         let mut batch = Batch::new();
         let mut rec_changed = false;
+        let mut counted = false;
         let mut tape_position = None;
         match via {
             Via::Lineage => {}
@@ -798,7 +799,7 @@ impl<S: Store> Ledger<S> {
             State::Completed | State::Compensated => {
                 rec.replays += 1;
                 rec.last_replay_epoch = call.run.epoch;
-                rec_changed = true;
+                counted = true;
                 Decision::Replay(Box::new(rec.view(now)))
             }
             // The same requester re-sending after a lost response gets its own grant back
@@ -855,11 +856,17 @@ impl<S: Store> Ledger<S> {
                 batch.put(step, codec::encode(&entry));
             }
         }
-        if rec_changed {
+        // The replay counters are an audit trail, not part of any answer: when they are all
+        // that changed, they are written without waiting for a sync (a crash may lose the
+        // latest counts, never anything an answer depended on).
+        let durable = rec_changed || !batch.is_empty();
+        if rec_changed || counted {
             batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
         }
-        if !batch.is_empty() {
+        if durable {
             self.store.write(batch)?;
+        } else if counted {
+            self.store.write_unsynced(batch)?;
         }
         Ok(decision)
     }

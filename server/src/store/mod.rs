@@ -106,4 +106,11 @@ pub trait Store: Send + Sync + 'static {
         f();
         Ok(())
     }
+
+    /// Applies the batch atomically, without waiting for it to be durable: for audit data no
+    /// answer depends on (a crash may lose it, and everything written after it with it, but
+    /// never a durable write). Reads see it at once. The default writes durably.
+    fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
+        self.write(batch)
+    }
 }

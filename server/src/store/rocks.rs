@@ -219,6 +219,41 @@ impl RocksStore {
         Ok(())
     }
 
+    /// Writes a batch: `durable` as [`Store::write`], otherwise as [`Store::write_unsynced`].
+    fn write_batch(&self, batch: Batch, durable: bool) -> Result<(), StoreError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let result = self.with_db(|db| {
+            let cf = cf(db);
+            let mut wb = WriteBatch::default();
+            for op in batch.ops() {
+                match op {
+                    Op::Put(k, v) => wb.put_cf(cf, k, v),
+                    Op::Delete(k) => wb.delete_cf(cf, k),
+                }
+            }
+            if !durable {
+                // Audit data: into the WAL, synced by whichever durable write comes next.
+                db.write_opt(wb, &write_options(false)).map_err(engine)
+            } else if self.opts.sync_writes && DEFERRING.get() {
+                let d = &self.deferral;
+                let _gate = d.gate.lock().unwrap_or_else(|e| e.into_inner());
+                // The ticket is taken before the write is visible: see `Deferral`.
+                d.issued.fetch_add(1, Ordering::AcqRel);
+                db.write_opt(wb, &write_options(false)).map_err(engine)
+            } else {
+                db.write_opt(wb, &write_options(self.opts.sync_writes))
+                    .map_err(engine)
+            }
+        });
+        if result.is_err() {
+            // RocksDB may now refuse every write until reopened; do that on the next call.
+            self.needs_reopen.store(true, Ordering::Release);
+        }
+        result
+    }
+
     /// Flushes memtables to SST files (used before measuring on-disk size).
     pub fn flush(&self) -> Result<(), StoreError> {
         self.with_db(|db| db.flush_cf(cf(db)).map_err(engine))
@@ -311,34 +346,11 @@ impl Store for RocksStore {
     }
 
     fn write(&self, batch: Batch) -> Result<(), StoreError> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let result = self.with_db(|db| {
-            let cf = cf(db);
-            let mut wb = WriteBatch::default();
-            for op in batch.ops() {
-                match op {
-                    Op::Put(k, v) => wb.put_cf(cf, k, v),
-                    Op::Delete(k) => wb.delete_cf(cf, k),
-                }
-            }
-            if self.opts.sync_writes && DEFERRING.get() {
-                let d = &self.deferral;
-                let _gate = d.gate.lock().unwrap_or_else(|e| e.into_inner());
-                // The ticket is taken before the write is visible: see `Deferral`.
-                d.issued.fetch_add(1, Ordering::AcqRel);
-                db.write_opt(wb, &write_options(false)).map_err(engine)
-            } else {
-                db.write_opt(wb, &write_options(self.opts.sync_writes))
-                    .map_err(engine)
-            }
-        });
-        if result.is_err() {
-            // RocksDB may now refuse every write until reopened; do that on the next call.
-            self.needs_reopen.store(true, Ordering::Release);
-        }
-        result
+        self.write_batch(batch, true)
+    }
+
+    fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
+        self.write_batch(batch, false)
     }
 
     fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
