@@ -11,6 +11,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("fence_descriptor.bin"), fds.encode_to_vec())?;
     tonic_prost_build::configure()
+        // Prost's codec, but a request that does not decode is INVALID_ARGUMENT (src/codec.rs).
+        .codec_path("crate::codec::FenceCodec")
         .build_server(true)
         .build_client(true)
         .compile_fds(fds)?;

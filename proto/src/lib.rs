@@ -1,6 +1,9 @@
 //! Generated code for the `fence.v1` gRPC API (`proto/fence/v1/fence.proto`), shared by the
 //! server, the Rust client and the benchmarks. Nothing here is written by hand: the `.proto` file
-//! is the contract and its comments are the documentation.
+//! is the contract and its comments are the documentation; [`codec`] is the one hand-written
+//! part (how a body that does not decode is answered).
+
+pub mod codec;
 
 /// The `fence.v1` package: messages, enums, client and server stubs.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

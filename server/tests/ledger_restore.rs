@@ -963,3 +963,37 @@ fn a_carried_intent_replays_under_a_new_step_key() {
         .unwrap();
     assert_eq!(all.len(), 2, "one transfer of 8 and one of 64");
 }
+
+/// Checkpoint creates an unknown run only where Begin would (branch "main", epoch 0 or 1): a
+/// framework checkpoints before its first tool call. Elsewhere the run is NOT_FOUND, and
+/// nothing is written.
+#[test]
+fn a_checkpoint_creates_an_unknown_run_only_on_main_at_its_first_epoch() {
+    let h = setup();
+    let before = h.snapshot();
+    for (branch, epoch) in [("fix", 1), ("", 2)] {
+        let err = h
+            .ledger
+            .checkpoint(
+                T,
+                &CheckpointCmd {
+                    run_id: "new-run".into(),
+                    branch: branch.into(),
+                    epoch,
+                    checkpoint_id: "cp".into(),
+                    ..Default::default()
+                },
+            )
+            .unwrap_err();
+        assert_eq!(tonic_code(err), tonic::Code::NotFound);
+    }
+    assert_eq!(h.snapshot(), before);
+    checkpoint(&h, "new-run", "", 0, "cp");
+    let run = h.ledger.get_run(T, "new-run").unwrap();
+    assert_eq!(run.run.epoch, 1);
+    assert_eq!(run.checkpoints.len(), 1);
+}
+
+fn tonic_code(e: fence_server::ledger::LedgerError) -> tonic::Code {
+    tonic::Status::from(e).code()
+}

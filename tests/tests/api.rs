@@ -474,3 +474,75 @@ async fn a_tenant_over_its_rate_gets_resource_exhausted_and_others_do_not() {
     .await
     .unwrap();
 }
+
+/// Sends `body` as the raw protobuf of a `fence.v1.Fence/Begin` request.
+async fn raw_begin(channel: tonic::transport::Channel, body: Vec<u8>) -> tonic::Status {
+    use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+    #[derive(Default)]
+    struct Raw;
+    struct RawEncoder;
+    struct RawDecoder;
+    impl Encoder for RawEncoder {
+        type Item = Vec<u8>;
+        type Error = tonic::Status;
+        fn encode(&mut self, item: Vec<u8>, buf: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+            use bytes::BufMut;
+            buf.put_slice(&item);
+            Ok(())
+        }
+        fn buffer_settings(&self) -> BufferSettings {
+            BufferSettings::default()
+        }
+    }
+    impl Decoder for RawDecoder {
+        type Item = Vec<u8>;
+        type Error = tonic::Status;
+        fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+            use bytes::Buf;
+            Ok(Some(buf.copy_to_bytes(buf.remaining()).to_vec()))
+        }
+        fn buffer_settings(&self) -> BufferSettings {
+            BufferSettings::default()
+        }
+    }
+    impl Codec for Raw {
+        type Encode = Vec<u8>;
+        type Decode = Vec<u8>;
+        type Encoder = RawEncoder;
+        type Decoder = RawDecoder;
+        fn encoder(&mut self) -> RawEncoder {
+            RawEncoder
+        }
+        fn decoder(&mut self) -> RawDecoder {
+            RawDecoder
+        }
+    }
+
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/fence.v1.Fence/Begin");
+    grpc.unary(tonic::Request::new(body), path, Raw)
+        .await
+        .expect_err("a body that does not decode is refused")
+}
+
+/// A body that is not a protobuf message is the caller's fault: INVALID_ARGUMENT (which
+/// clients do not retry), naming the message.
+#[tokio::test]
+async fn a_request_body_that_does_not_decode_is_invalid_argument() {
+    let srv = TestServer::start().await;
+    for body in [
+        vec![0xff, 0xff, 0xff],       // field 0x1fff.. with an invalid wire type
+        vec![0x0a, 0x10, b'r'],       // a string field whose length runs past the end
+        vec![0x08, 0xff, 0xff, 0xff], // a truncated varint
+    ] {
+        let status = raw_begin(srv.channel().await, body.clone()).await;
+        assert_eq!(status.code(), Code::InvalidArgument, "{body:?}: {status:?}");
+        assert!(
+            status.message().contains("fence.v1.BeginRequest"),
+            "{}",
+            status.message()
+        );
+    }
+}
