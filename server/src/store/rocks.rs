@@ -59,6 +59,8 @@ pub struct RocksStore {
     path: PathBuf,
     opts: StoreOptions,
     deferral: Deferral,
+    /// What RocksDB's recovery dropped at the last open (see [`RocksStore::recovery_losses`]).
+    losses: Mutex<Vec<String>>,
 }
 
 thread_local! {
@@ -173,6 +175,7 @@ impl RocksStore {
     pub fn open(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let db = open_db(&path, opts)?;
+        let losses = report_recovery(&path);
         Ok(Self {
             db: RwLock::new(Some(db)),
             needs_reopen: AtomicBool::new(false),
@@ -180,7 +183,20 @@ impl RocksStore {
             path,
             opts: opts.clone(),
             deferral: Deferral::default(),
+            losses: Mutex::new(losses),
         })
+    }
+
+    /// What RocksDB's recovery dropped when the store was last opened (or reopened after an
+    /// error): its own log lines, one per loss (e.g. "000004.log: dropping 101 bytes;
+    /// Corruption: truncated record body"). Empty when recovery lost nothing. A torn tail of
+    /// the write-ahead log is a write that was never synced, so never acknowledged; anything
+    /// else here means the disk lost synced data.
+    pub fn recovery_losses(&self) -> Vec<String> {
+        self.losses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The directory the store lives in.
@@ -209,6 +225,7 @@ impl RocksStore {
         *guard = None;
         let db = open_db(&self.path, &self.opts)?;
         *guard = Some(db);
+        *self.losses.lock().unwrap_or_else(|e| e.into_inner()) = report_recovery(&self.path);
         // Recovery flushed what the WAL held into synced tables; a deferred section that was
         // running fails on the generation check, so nothing it wrote is acknowledged.
         self.generation.fetch_add(1, Ordering::AcqRel);
@@ -299,6 +316,31 @@ impl RocksStore {
             Ok(())
         })
     }
+}
+
+/// Reads what the recovery of the open that just finished dropped from RocksDB's info log
+/// (`LOG`, which RocksDB starts afresh at every open) and says so in fenced's own log.
+fn report_recovery(path: &Path) -> Vec<String> {
+    let Ok(log) = std::fs::read_to_string(path.join("LOG")) else {
+        return Vec::new();
+    };
+    let losses: Vec<String> = log
+        .lines()
+        .filter(|l| l.contains("dropping") || l.contains("Corruption"))
+        .map(|l| {
+            // Keep RocksDB's message, without its timestamp, thread and source location.
+            let message = l.rsplit_once("] ").map_or(l, |(_, m)| m);
+            message.trim().to_owned()
+        })
+        .collect();
+    for loss in &losses {
+        tracing::warn!(
+            path = %path.display(),
+            loss = %loss,
+            "recovering the ledger dropped bytes of its write-ahead log (a torn tail is a write that was never synced, so never acknowledged; anything else means the disk lost synced data)"
+        );
+    }
+    losses
 }
 
 /// The smallest key greater than every key starting with `prefix` (None if there is none).
@@ -411,6 +453,38 @@ mod tests {
         assert_eq!(s.scan(&[1], &[1], 1).unwrap().len(), 1);
         assert_eq!(s.get(&[2, 0]).unwrap(), Some(vec![2, 0]));
         assert_eq!(s.get(&[1, 3]).unwrap(), None);
+    }
+
+    #[test]
+    fn a_torn_wal_tail_dropped_on_recovery_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+            for i in 0..100u32 {
+                let mut b = Batch::new();
+                b.put(i.to_be_bytes().to_vec(), vec![7u8; 100]);
+                s.write(b).unwrap();
+            }
+            assert!(s.recovery_losses().is_empty());
+        }
+        // A crash in the middle of the last WAL append.
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "log") {
+                let len = std::fs::metadata(&path).unwrap().len();
+                let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                f.set_len(len - 30).unwrap();
+            }
+        }
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        let losses = s.recovery_losses();
+        assert_eq!(losses.len(), 1, "{losses:?}");
+        assert!(losses[0].contains("dropping"), "{losses:?}");
+        assert_eq!(s.scan(&[], &[], usize::MAX).unwrap().len(), 99);
+        drop(s);
+        // The next open recovered cleanly: nothing to report.
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        assert!(s.recovery_losses().is_empty(), "{:?}", s.recovery_losses());
     }
 
     #[test]
