@@ -38,8 +38,11 @@ impl Drop for Tmpfs {
 fn fill(dir: &std::path::Path) -> std::path::PathBuf {
     let path = dir.join("filler");
     let mut f = std::fs::File::create(&path).unwrap();
-    let chunk = vec![0u8; 64 << 10];
-    while f.write_all(&chunk).and_then(|_| f.sync_data()).is_ok() {}
+    // Down to the last byte: a few free kilobytes would still take a small write.
+    for size in [64 << 10, 4096, 512, 1] {
+        let chunk = vec![0u8; size];
+        while f.write_all(&chunk).and_then(|_| f.sync_data()).is_ok() {}
+    }
     path
 }
 
@@ -53,13 +56,13 @@ fn begin(step: &str) -> pb::BeginRequest {
     }
 }
 
-#[tokio::test]
-async fn a_full_disk_is_unavailable_and_recovers_when_space_returns() {
-    let fs = Tmpfs::mount("48m");
-    let data = fs.0.join("data");
+/// Starts `fenced` on `data`; returns it and a client.
+async fn start_fenced(
+    data: &std::path::Path,
+) -> (std::process::Child, FenceClient<tonic::transport::Channel>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
         .args(["--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(&data)
+        .arg(data)
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -73,7 +76,14 @@ async fn a_full_disk_is_unavailable_and_recovers_when_space_returns() {
         "http://{}",
         line.trim().trim_start_matches("fenced listening on ")
     );
-    let mut c = FenceClient::connect(url).await.unwrap();
+    (child, FenceClient::connect(url).await.unwrap())
+}
+
+#[tokio::test]
+async fn a_full_disk_is_unavailable_and_recovers_when_space_returns() {
+    let fs = Tmpfs::mount("48m");
+    let data = fs.0.join("data");
+    let (mut child, mut c) = start_fenced(&data).await;
 
     let O::Execute(before) = c
         .begin(begin("before"))

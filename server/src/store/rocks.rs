@@ -61,6 +61,9 @@ pub struct RocksStore {
     deferral: Deferral,
     /// What RocksDB's recovery dropped at the last open (see [`RocksStore::recovery_losses`]).
     losses: Mutex<Vec<String>>,
+    /// True while the database is open read-only because it could not be reopened for
+    /// writing: reads are served, writes retry the reopen.
+    read_only: AtomicBool,
 }
 
 thread_local! {
@@ -126,6 +129,19 @@ fn write_options(sync: bool) -> WriteOptions {
 }
 
 fn open_db(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
+    let (db_opts, cfs) = db_options(opts);
+    DB::open_cf_descriptors(&db_opts, path, cfs).map_err(engine)
+}
+
+/// The database read-only: what serves reads while it cannot be opened for writing (a full
+/// disk: opening writes a new WAL and manifest). It recovers the WAL into memory, writes
+/// nothing, and refuses every write.
+fn open_db_read_only(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
+    let (db_opts, cfs) = db_options(opts);
+    DB::open_cf_descriptors_read_only(&db_opts, path, cfs, false).map_err(engine)
+}
+
+fn db_options(opts: &StoreOptions) -> (Options, Vec<ColumnFamilyDescriptor>) {
     let mut db_opts = Options::default();
     db_opts.create_if_missing(true);
     db_opts.create_missing_column_families(true);
@@ -162,7 +178,7 @@ fn open_db(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
     cf_opts.set_memtable_whole_key_filtering(true);
 
     let cfs = vec![ColumnFamilyDescriptor::new(LEDGER_CF, cf_opts)];
-    DB::open_cf_descriptors(&db_opts, path, cfs).map_err(engine)
+    (db_opts, cfs)
 }
 
 fn cf(db: &DB) -> &rocksdb::ColumnFamily {
@@ -184,6 +200,7 @@ impl RocksStore {
             opts: opts.clone(),
             deferral: Deferral::default(),
             losses: Mutex::new(losses),
+            read_only: AtomicBool::new(false),
         })
     }
 
@@ -209,6 +226,23 @@ impl RocksStore {
         if self.needs_reopen.load(Ordering::Acquire) {
             self.reopen()?;
         }
+        self.current_db(f)
+    }
+
+    /// Runs a read on the open database. While it is open read-only (it could not be reopened
+    /// for writing) reads are served from it without another attempt: writes retry.
+    fn with_db_for_read<T>(
+        &self,
+        f: impl FnOnce(&DB) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if self.needs_reopen.load(Ordering::Acquire) && !self.read_only.load(Ordering::Acquire) {
+            // A failed reopen that fell back to read-only still serves this read.
+            let _ = self.reopen();
+        }
+        self.current_db(f)
+    }
+
+    fn current_db<T>(&self, f: impl FnOnce(&DB) -> Result<T, StoreError>) -> Result<T, StoreError> {
         let guard = self.db.read().unwrap_or_else(|e| e.into_inner());
         let db = guard
             .as_ref()
@@ -223,8 +257,30 @@ impl RocksStore {
         }
         // Close first: RocksDB holds a lock file on the directory.
         *guard = None;
-        let db = open_db(&self.path, &self.opts)?;
+        let db = match open_db(&self.path, &self.opts) {
+            Ok(db) => db,
+            Err(e) => {
+                // Serve reads while writes cannot be made (a full disk): read-only, until a
+                // write's reopen succeeds.
+                match open_db_read_only(&self.path, &self.opts) {
+                    Ok(db) => {
+                        *guard = Some(db);
+                        self.generation.fetch_add(1, Ordering::AcqRel);
+                        let issued = self.deferral.issued.load(Ordering::Acquire);
+                        self.deferral.synced.fetch_max(issued, Ordering::AcqRel);
+                        if !self.read_only.swap(true, Ordering::AcqRel) {
+                            tracing::warn!(path = %self.path.display(), error = %e, "the ledger cannot be opened for writing; serving reads read-only, refusing writes until it can");
+                        }
+                    }
+                    Err(ro) => {
+                        tracing::warn!(path = %self.path.display(), error = %ro, "the ledger cannot be opened, even read-only");
+                    }
+                }
+                return Err(e);
+            }
+        };
         *guard = Some(db);
+        self.read_only.store(false, Ordering::Release);
         *self.losses.lock().unwrap_or_else(|e| e.into_inner()) = report_recovery(&self.path);
         // Recovery flushed what the WAL held into synced tables; a deferred section that was
         // running fails on the generation check, so nothing it wrote is acknowledged.
@@ -357,13 +413,13 @@ fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
 
 impl Store for RocksStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let value = self.with_db(|db| db.get_cf(cf(db), key).map_err(engine))?;
+        let value = self.with_db_for_read(|db| db.get_cf(cf(db), key).map_err(engine))?;
         self.settle_read()?;
         Ok(value)
     }
 
     fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError> {
-        self.with_db(|db| {
+        self.with_db_for_read(|db| {
             let mut ro = ReadOptions::default();
             if let Some(end) = prefix_end(prefix) {
                 ro.set_iterate_upper_bound(end);
@@ -453,6 +509,35 @@ mod tests {
         assert_eq!(s.scan(&[1], &[1], 1).unwrap().len(), 1);
         assert_eq!(s.get(&[2, 0]).unwrap(), Some(vec![2, 0]));
         assert_eq!(s.get(&[1, 3]).unwrap(), None);
+    }
+
+    /// A store that cannot be reopened for writing after a failed write (here another
+    /// instance holds the directory's lock; in production a full or read-only disk) serves
+    /// reads read-only and refuses writes, until a write's reopen succeeds.
+    #[test]
+    fn reads_are_served_read_only_while_writes_cannot_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        let mut b = Batch::new();
+        b.put(vec![1], vec![1]);
+        a.write(b).unwrap();
+        // As after a failed write: the next call reopens; meanwhile another opener holds the
+        // directory, so the read-write reopen fails.
+        a.needs_reopen.store(true, Ordering::Release);
+        *a.db.write().unwrap() = None;
+        let holder = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        for _ in 0..3 {
+            assert_eq!(a.get(&[1]).unwrap(), Some(vec![1]));
+            assert_eq!(a.scan(&[1], &[1], 10).unwrap().len(), 1);
+            let mut w = Batch::new();
+            w.put(vec![2], vec![2]);
+            assert!(matches!(a.write(w), Err(StoreError::Engine(_))));
+        }
+        drop(holder);
+        let mut w = Batch::new();
+        w.put(vec![2], vec![2]);
+        a.write(w).unwrap();
+        assert_eq!(a.get(&[2]).unwrap(), Some(vec![2]));
     }
 
     #[test]
