@@ -11,7 +11,7 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 # An explicit --target keeps RUSTFLAGS off build scripts and proc macros (as cargo-fuzz does).
 triple="$(rustc -vV | sed -n 's/^host: //p')"
 cargo build --release --locked --bins --target "$triple"
-for target in canonical ledger; do
+for target in canonical ledger service; do
   mkdir -p "corpus/$target" "artifacts/$target" "regressions/$target"
   echo "fuzz: $target for ${seconds}s"
   "target/$triple/release/$target" -max_total_time="$seconds" -print_final_stats=1 \
