@@ -8,6 +8,11 @@ use clap::Parser;
 use fence_server::Config;
 use tracing_subscriber::EnvFilter;
 
+/// mimalloc: a fifth less CPU per effect under load than glibc's malloc (docs/BENCHMARKS.md),
+/// and freed memory goes back to the system instead of staying with the process.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     // `fenced hash-token <token>` prints the line-format hash for a tokens file.
