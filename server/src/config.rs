@@ -88,6 +88,17 @@ pub struct Config {
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,
 
+    /// Concurrent requests (HTTP/2 streams) one connection may have open; more wait. With
+    /// --max-page-bytes, this bounds what one connection that never reads its responses can
+    /// make the server buffer (about streams x 3 x page bytes).
+    #[arg(long, env = "FENCE_MAX_STREAMS_PER_CONNECTION", default_value_t = 64)]
+    pub max_streams_per_connection: u32,
+
+    /// Bytes of stored records one ListEffects page holds at most; a page ends before it
+    /// would pass them (one record always fits, so a page may hold one larger record).
+    #[arg(long, env = "FENCE_MAX_PAGE_BYTES", default_value_t = 1 << 20)]
+    pub max_page_bytes: usize,
+
     /// Sequencer threads: the decisions that write (Begin, Complete, Heartbeat and their
     /// batches) are committed in groups, one WAL sync per group, by this many threads, each
     /// owning the runs that hash to it. 0 = one per core.

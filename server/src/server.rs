@@ -124,6 +124,7 @@ pub fn open_ledger_with(
             max_result_bytes: config.max_result_bytes,
             max_effects_per_run: config.max_effects_per_run,
             max_batch_calls: config.max_batch_calls.max(1),
+            max_page_bytes: config.max_page_bytes.max(1),
             ..Limits::default()
         },
         ..LedgerConfig::default()
@@ -176,6 +177,8 @@ pub struct ServeOptions {
     pub rate_limit: Option<Arc<TenantRateLimit>>,
     /// Sequencer threads (0 = one per core; see [`Config::sequencers`]).
     pub sequencers: usize,
+    /// Concurrent streams per connection (see [`Config::max_streams_per_connection`]).
+    pub max_streams_per_connection: u32,
 }
 
 /// Serves until `shutdown` resolves, then drains in-flight calls and closes the store.
@@ -203,6 +206,7 @@ pub async fn serve(
         tls,
         rate_limit,
         sequencers: config.sequencers,
+        max_streams_per_connection: config.max_streams_per_connection,
     };
     serve_ledger_with(listener, Arc::new(ledger), opts, shutdown).await
 }
@@ -221,6 +225,7 @@ pub async fn serve_ledger(
         tls: None,
         rate_limit: None,
         sequencers: 0,
+        max_streams_per_connection: 64,
     };
     serve_ledger_with(listener, ledger, opts, shutdown).await
 }
@@ -238,6 +243,7 @@ pub async fn serve_ledger_with(
         tls,
         rate_limit,
         sequencers,
+        max_streams_per_connection,
     } = opts;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -272,7 +278,10 @@ pub async fn serve_ledger_with(
     let incoming = TcpIncoming::from(listener)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(60)));
-    let mut builder = tonic::transport::Server::builder().trace_fn(crate::trace::rpc_span);
+    let mut builder = tonic::transport::Server::builder()
+        .trace_fn(crate::trace::rpc_span)
+        // What one connection can hold open (and make the server buffer for it) is bounded.
+        .max_concurrent_streams(max_streams_per_connection.max(1));
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }

@@ -1194,3 +1194,52 @@ fn a_replay_waits_for_no_sync_unless_its_answer_depends_on_a_write() {
     }
     assert_eq!(store.durable.load(SeqCst), durable + 1);
 }
+
+/// A ListEffects page ends before it would pass 1 MiB of records, whatever its size asks for,
+/// so one response never buffers more than that; following the tokens still lists everything.
+#[test]
+fn effect_listings_are_paged_by_bytes_as_well_as_by_count() {
+    let h = harness();
+    bank(&h);
+    let big = vec![b'x'; 400_000];
+    for i in 0..5 {
+        let rec = executed(h.begin(&keyed(
+            "r1",
+            &format!("s{i}"),
+            TRANSFER,
+            &format!(r#"{{"to":"bob","amount":{i}}}"#),
+        )));
+        h.ledger
+            .complete(
+                T,
+                &rec.id().to_string(),
+                rec.attempt,
+                0,
+                Outcome::Completed(big.clone()),
+            )
+            .unwrap();
+    }
+    let mut pages = Vec::new();
+    let mut token = String::new();
+    loop {
+        let (page, next) = h
+            .ledger
+            .list_effects(
+                T,
+                &ListQuery {
+                    run_id: "r1".into(),
+                    page_size: 1000,
+                    page_token: token.clone(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        pages.push(page.len());
+        if next.is_empty() {
+            break;
+        }
+        token = next;
+    }
+    // Two 400 KB results fit in 1 MiB, a third would not.
+    assert_eq!(pages, [2, 2, 1]);
+}

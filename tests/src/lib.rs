@@ -89,6 +89,7 @@ impl TestServer {
                 tls: opts.tls,
                 rate_limit: opts.rate_limit,
                 sequencers: 0,
+                max_streams_per_connection: 64,
             };
             fence_server::serve_ledger_with(listener, Arc::new(ledger), serve, async {
                 let _ = rx.await;

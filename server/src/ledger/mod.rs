@@ -63,6 +63,8 @@ pub struct Limits {
     pub max_tool_versions: u32,
     /// Maximum calls in one BeginBatch or CompleteBatch.
     pub max_batch_calls: usize,
+    /// Bytes of stored records one ListEffects page holds at most (one record always fits).
+    pub max_page_bytes: usize,
     /// Tool versions (and, separately, current versions) kept parsed in memory.
     pub max_cached_tools: usize,
 }
@@ -83,6 +85,7 @@ impl Default for Limits {
             max_schema_paths: 64,
             max_tool_versions: 1000,
             max_batch_calls: 128,
+            max_page_bytes: 1 << 20,
             max_cached_tools: 10_000,
         }
     }

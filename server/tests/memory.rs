@@ -1,0 +1,182 @@
+//! Memory under a hostile client: one connection opens many requests for large effect
+//! listings and never reads the answers. The server buffers at most its per-connection stream
+//! limit times (about three times) the ListEffects page cap, keeps serving other clients, and
+//! releases what it held when the connection goes (a second such connection reuses it rather
+//! than adding to it). Runs the real `fenced`; the client speaks raw HTTP/2.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use fence_proto::v1 as pb;
+use fence_proto::v1::decision::Outcome as O;
+use fence_proto::v1::fence_client::FenceClient;
+use prost::Message;
+
+/// fenced's resident memory, MiB.
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kib / 1024
+}
+
+/// One connection with 64 requests for a 1000-effect listing of run "big", none read.
+struct Hoarder {
+    tasks: Vec<tokio::task::JoinHandle<Result<(), h2::Error>>>,
+    connection: tokio::task::JoinHandle<()>,
+}
+
+impl Hoarder {
+    async fn connect(addr: &str) -> Hoarder {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+        let connection = tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let msg = pb::ListEffectsRequest {
+            run_id: "big".into(),
+            page_size: 1000,
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let mut framed = vec![0u8];
+        framed.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+        framed.extend_from_slice(&msg);
+        let body = bytes::Bytes::from(framed);
+        let tasks = (0..64)
+            .map(|_| {
+                let send = send.clone();
+                let body = body.clone();
+                // Each waits for a stream slot (the server allows 16 at a time), then holds its
+                // response without reading a byte of it.
+                tokio::spawn(async move {
+                    let mut send = send.ready().await?;
+                    let request = tonic::codegen::http::Request::builder()
+                        .method("POST")
+                        .uri("/fence.v1.Fence/ListEffects")
+                        .header("content-type", "application/grpc")
+                        .header("te", "trailers")
+                        .body(())
+                        .unwrap();
+                    let (response, mut stream) = send.send_request(request, false)?;
+                    stream.send_data(body, true)?;
+                    let held = response.await?.into_body();
+                    std::future::pending::<()>().await;
+                    drop(held);
+                    Ok(())
+                })
+            })
+            .collect();
+        Hoarder { tasks, connection }
+    }
+
+    /// Drops every stream and the connection (the socket closes).
+    fn disconnect(self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        self.connection.abort();
+    }
+}
+
+#[tokio::test]
+async fn unread_responses_are_bounded_and_reused_across_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--max-streams-per-connection",
+            "16",
+        ])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .trim_start_matches("fenced listening on ")
+        .to_owned();
+    let mut c = FenceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+
+    // 160 effects with 100 KB results: a full page (1000) would be 16 MB, a capped one 1 MiB.
+    let result = vec![b'r'; 100_000];
+    for i in 0..160 {
+        let begun = c
+            .begin(pb::BeginRequest {
+                run_id: "big".into(),
+                tool: "report".into(),
+                step_key: format!("s{i}"),
+                arguments_json: format!(r#"{{"n":{i}}}"#),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(O::Execute(ex)) = begun.decision.and_then(|d| d.outcome) else {
+            panic!("expected a grant");
+        };
+        c.complete(pb::CompleteRequest {
+            effect_id: ex.effect_id,
+            attempt: ex.attempt,
+            outcome: Some(pb::complete_request::Outcome::Result(result.clone())),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let pid = child.id();
+    let baseline = rss_mib(pid);
+
+    // Two rounds of the hostile client, each disconnecting at the end: what the first made
+    // the server hold is released and reused by the second, not accumulated.
+    let mut peaks = Vec::new();
+    for round in 0..2 {
+        let hoarder = Hoarder::connect(&addr).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let loaded = rss_mib(pid);
+        peaks.push(loaded);
+
+        // Another client is still served, at once.
+        let run = tokio::time::timeout(
+            Duration::from_secs(5),
+            c.get_run(pb::GetRunRequest {
+                run_id: "big".into(),
+            }),
+        )
+        .await
+        .expect("another client was not served while one connection hoarded responses")
+        .unwrap();
+        assert!(run.into_inner().run.is_some());
+
+        // At most 16 streams of 1 MiB pages (each about three times over while encoded) are
+        // buffered for the hostile connection, plus the allocator's slack; unbounded, 64 full
+        // pages would be a gigabyte.
+        assert!(
+            loaded <= baseline + 16 * 3 + 64,
+            "round {round}: fenced grew from {baseline} to {loaded} MiB"
+        );
+        hoarder.disconnect();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        peaks[1] <= peaks[0] + 16,
+        "memory accumulated across hostile connections: {baseline} -> {peaks:?} MiB"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
