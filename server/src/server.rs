@@ -45,6 +45,9 @@ pub enum ServeError {
     /// The reflection service could not be built.
     #[error("reflection service: {0}")]
     Reflection(String),
+    /// The data dir's record format cannot be served by this build.
+    #[error("ledger format: {0}")]
+    Format(String),
     /// A TLS file could not be read.
     #[error("TLS file {path}: {why}")]
     Tls {
@@ -129,7 +132,12 @@ pub fn open_ledger_with(
         },
         ..LedgerConfig::default()
     };
-    Ok(Ledger::new(store, clock, ledger_config))
+    let ledger = Ledger::new(store, clock, ledger_config);
+    match ledger.open_format() {
+        Ok(_) => Ok(ledger),
+        Err(crate::ledger::LedgerError::Store(e)) => Err(ServeError::Store(e)),
+        Err(e) => Err(ServeError::Format(e.to_string())),
+    }
 }
 
 /// The authentication `config` asks for (dev mode is logged loudly).

@@ -14,6 +14,7 @@ pub mod batch;
 pub mod begin;
 pub mod credentials;
 pub mod expiry;
+pub mod format;
 pub mod messages;
 pub mod outcome;
 pub mod records;

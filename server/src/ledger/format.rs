@@ -1,0 +1,89 @@
+//! The stored records' format version: checked when a data dir is opened, so a `fenced` never
+//! reads records it does not understand, and an older layout is migrated before anything is
+//! served.
+//!
+//! Versions:
+//! 1. The layout before the version was recorded (every data dir written before 2026-12-04).
+//! 2. Runs list the tool versions their effects were fingerprinted under (`RunRecord` fields 8
+//!    and 9). A version-1 run reads with `tracks_tool_versions = false` and is looked up under
+//!    every version of a tool, so the migration from 1 rewrites no record: it records the
+//!    version.
+
+use super::{Ledger, LedgerError, Result};
+use crate::store::{Batch, Store, codec, keys};
+
+/// The format this code writes and reads.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The store's format record (key [`keys::meta`]).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct FormatRecord {
+    /// The format version of every record in the store.
+    #[prost(uint32, tag = "1")]
+    pub version: u32,
+    /// The `fenced` release that last wrote the version.
+    #[prost(string, tag = "2")]
+    pub written_by: String,
+}
+
+/// What opening found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FormatCheck {
+    /// An empty store, now marked with the current version.
+    Created,
+    /// Already the current version.
+    Current,
+    /// Migrated from this older version to the current one.
+    Migrated {
+        /// The version found.
+        from: u32,
+    },
+}
+
+impl<S: Store> Ledger<S> {
+    /// Checks the store's format version before anything is served: marks a new store,
+    /// migrates an older layout, and refuses a newer one (written by a later `fenced`).
+    pub fn open_format(&self) -> Result<FormatCheck> {
+        let key = keys::meta();
+        let found = match self.store.get(&key)? {
+            Some(bytes) => Some(codec::decode::<FormatRecord>(&key, &bytes)?),
+            None => None,
+        };
+        let check = match found {
+            Some(f) if f.version == FORMAT_VERSION => return Ok(FormatCheck::Current),
+            Some(f) if f.version > FORMAT_VERSION => {
+                return Err(LedgerError::invalid(
+                    "data_dir",
+                    format!(
+                        "this data dir holds ledger format {} (written by fenced {}); this fenced {} reads formats up to {FORMAT_VERSION}. Run fenced {} or later on it, or restore a backup taken before the upgrade.",
+                        f.version,
+                        f.written_by,
+                        env!("CARGO_PKG_VERSION"),
+                        f.written_by
+                    ),
+                ));
+            }
+            Some(f) => FormatCheck::Migrated { from: f.version },
+            None if self.store.scan(&[], &[], 1)?.is_empty() => FormatCheck::Created,
+            None => FormatCheck::Migrated { from: 1 },
+        };
+        // Migrations from 1 (the only older format) rewrite no record; see the module docs.
+        let mut batch = Batch::new();
+        batch.put(
+            key,
+            codec::encode(&FormatRecord {
+                version: FORMAT_VERSION,
+                written_by: env!("CARGO_PKG_VERSION").to_owned(),
+            }),
+        );
+        self.store.write(batch)?;
+        if let FormatCheck::Migrated { from } = check {
+            tracing::warn!(
+                from,
+                to = FORMAT_VERSION,
+                "migrated the ledger's record format"
+            );
+        }
+        Ok(check)
+    }
+}

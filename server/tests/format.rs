@@ -1,0 +1,118 @@
+//! The record format version: a new data dir is marked, one written before versions were
+//! recorded is migrated on open (and its records still read), and one written by a newer
+//! format is refused with a message saying what to run instead.
+
+use std::sync::Arc;
+
+use fence_server::clock::SystemClock;
+use fence_server::ledger::format::{FORMAT_VERSION, FormatCheck, FormatRecord};
+use fence_server::ledger::{BeginCmd, Decision};
+use fence_server::server::{ServeError, open_ledger};
+use fence_server::store::{Batch, Store, codec, keys};
+
+fn open(
+    dir: &std::path::Path,
+) -> Result<fence_server::ledger::Ledger<fence_server::store::RocksStore>, ServeError> {
+    open_ledger(
+        &fence_server::Config::with_data_dir(dir),
+        Arc::new(SystemClock),
+    )
+}
+
+fn format_of(
+    ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>,
+) -> Option<u32> {
+    let bytes = ledger.store().get(&keys::meta()).unwrap()?;
+    Some(
+        codec::decode::<FormatRecord>(&keys::meta(), &bytes)
+            .unwrap()
+            .version,
+    )
+}
+
+fn call(step: &str) -> BeginCmd {
+    BeginCmd {
+        run_id: "r".into(),
+        tool: "pay".into(),
+        step_key: step.into(),
+        arguments_json: r#"{"amount":1}"#.into(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_new_data_dir_is_marked_with_the_current_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = open(dir.path()).unwrap();
+    assert_eq!(format_of(&ledger), Some(FORMAT_VERSION));
+    assert_eq!(ledger.open_format().unwrap(), FormatCheck::Current);
+}
+
+#[test]
+fn a_data_dir_from_before_format_versions_is_migrated_and_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let recorded = {
+        let ledger = open(dir.path()).unwrap();
+        let Decision::Execute { receipt, .. } = ledger.begin("t", &call("s1")).unwrap().decision
+        else {
+            panic!("expected a grant")
+        };
+        // As written before versions: no format record, and a run that lists no tool versions.
+        let mut batch = Batch::new();
+        batch.delete(keys::meta());
+        let rk = keys::run_key("t", "r");
+        let bytes = ledger.store().get(&keys::run(&rk)).unwrap().unwrap();
+        let mut run: fence_server::ledger::records::RunRecord =
+            codec::decode(&keys::run(&rk), &bytes).unwrap();
+        run.tracks_tool_versions = false;
+        run.tool_versions.clear();
+        batch.put(keys::run(&rk), codec::encode(&run));
+        ledger.store().write(batch).unwrap();
+        receipt
+    };
+    let ledger = open(dir.path()).unwrap();
+    assert_eq!(format_of(&ledger), Some(FORMAT_VERSION));
+    // The old run's effect is found as before: the same step is the same effect.
+    match ledger
+        .begin(
+            "t",
+            &BeginCmd {
+                request_id: String::new(),
+                ..call("s1")
+            },
+        )
+        .unwrap()
+        .decision
+    {
+        Decision::InProgress { receipt, .. } => assert_eq!(receipt.id(), recorded.id()),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_data_dir_in_a_newer_format_is_refused_naming_what_to_run() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let ledger = open(dir.path()).unwrap();
+        let mut batch = Batch::new();
+        batch.put(
+            keys::meta(),
+            codec::encode(&FormatRecord {
+                version: FORMAT_VERSION + 1,
+                written_by: "9.9.9".into(),
+            }),
+        );
+        ledger.store().write(batch).unwrap();
+    }
+    let err = match open(dir.path()) {
+        Ok(_) => panic!("a newer format was opened"),
+        Err(e) => e,
+    };
+    let message = err.to_string();
+    assert!(matches!(err, ServeError::Format(_)), "{message}");
+    assert!(
+        message.contains(&format!("format {}", FORMAT_VERSION + 1)),
+        "{message}"
+    );
+    assert!(message.contains("fenced 9.9.9"), "{message}");
+}
