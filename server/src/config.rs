@@ -101,7 +101,7 @@ pub struct Config {
 
     /// Sequencer threads: the decisions that write (Begin, Complete, Heartbeat and their
     /// batches) are committed in groups, one WAL sync per group, by this many threads, each
-    /// owning the runs that hash to it. 0 = one per core.
+    /// owning the runs that hash to it. 0 = half the cores (at least one).
     #[arg(long, env = "FENCE_SEQUENCERS", default_value_t = 0)]
     pub sequencers: usize,
 }

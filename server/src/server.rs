@@ -183,7 +183,7 @@ pub struct ServeOptions {
     pub tls: Option<ServerTlsConfig>,
     /// Per-tenant request rate limit (None = unlimited).
     pub rate_limit: Option<Arc<TenantRateLimit>>,
-    /// Sequencer threads (0 = one per core; see [`Config::sequencers`]).
+    /// Sequencer threads (0 = half the cores; see [`Config::sequencers`]).
     pub sequencers: usize,
     /// Concurrent streams per connection (see [`Config::max_streams_per_connection`]).
     pub max_streams_per_connection: u32,

@@ -22,15 +22,18 @@ pub struct FenceService<S> {
 }
 
 impl<S: Store> FenceService<S> {
-    /// A service over `ledger`, with one sequencer per core.
+    /// A service over `ledger`, with one sequencer per two cores.
     pub fn new(ledger: Arc<Ledger<S>>) -> Self {
         Self::with_sequencers(ledger, 0)
     }
 
-    /// A service over `ledger` with `threads` sequencers (0 = one per core).
+    /// A service over `ledger` with `threads` sequencers (0 = one per two cores, at least one).
     pub fn with_sequencers(ledger: Arc<Ledger<S>>, threads: usize) -> Self {
         let threads = match threads {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            // Half the cores: the other half serve the RPCs. On two cores one sequencer makes
+            // bigger groups (fewer syncs and wake-ups) and costs a quarter less CPU per effect
+            // than two (docs/BENCHMARKS.md).
+            0 => std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
             n => n,
         };
         Self {
