@@ -99,6 +99,12 @@ pub struct Config {
     #[arg(long, env = "FENCE_MAX_PAGE_BYTES", default_value_t = 1 << 20)]
     pub max_page_bytes: usize,
 
+    /// Serve Prometheus metrics at http://ADDR/metrics (an admin listener, plain HTTP: keep it
+    /// off public interfaces). Off by default; port 0 picks a free port, printed on stdout as
+    /// "fenced metrics on ADDR".
+    #[arg(long, env = "FENCE_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+
     /// Sequencer threads: the decisions that write (Begin, Complete, Heartbeat and their
     /// batches) are committed in groups, one WAL sync per group, by this many threads, each
     /// owning the runs that hash to it. 0 = half the cores (at least one).

@@ -9,7 +9,8 @@
 //! - [`sequencer`]: group commit of the decisions that write (one sync per drained group);
 //! - [`auth`], [`quota`], [`config`], [`server`]: tenants and tokens, per-tenant rate limits,
 //!   settings, wiring and shutdown;
-//! - [`trace`]: W3C `traceparent` parsing and the per-RPC span that carries it.
+//! - [`trace`]: W3C `traceparent` parsing and the per-RPC span that carries it;
+//! - [`metrics`]: Prometheus metrics and their admin listener.
 
 pub mod auth;
 pub mod canonical;
@@ -17,6 +18,7 @@ pub mod clock;
 pub mod config;
 pub mod convert;
 pub mod ledger;
+pub mod metrics;
 pub mod quota;
 pub mod sequencer;
 #[cfg(feature = "rocksdb")]

@@ -34,11 +34,23 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
-    // The one stdout line: scripts and tests read the bound address from it.
+    // The first stdout line: scripts and tests read the bound address from it (a second one
+    // gives the metrics listener's, when there is one).
     let mut out = std::io::stdout().lock();
     writeln!(out, "fenced listening on {addr}")?;
     out.flush()?;
     drop(out);
+    if let Some(metrics) = config.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(metrics)
+            .await
+            .with_context(|| format!("cannot listen for metrics on {metrics}"))?;
+        let metrics = listener.local_addr()?;
+        fence_server::metrics::serve(listener).map_err(anyhow::Error::msg)?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "fenced metrics on {metrics}")?;
+        out.flush()?;
+        tracing::info!(%metrics, "serving Prometheus metrics at /metrics");
+    }
     tracing::info!(%addr, data_dir = %config.data_dir.display(), "fenced starting");
 
     fence_server::serve(listener, config, shutdown_signal()).await?;

@@ -158,6 +158,7 @@ fn sequence<S: Store>(ledger: &Ledger<S>, queue: &Receiver<Job<S>>) {
                     "storage could not make this request durable; it may or may not have been recorded: resend the same request",
                 )
             });
+        crate::metrics::group_commit(group.len(), synced.is_ok());
         for job in group.drain(..) {
             job.answer(synced.clone());
         }

@@ -273,7 +273,9 @@ pub async fn serve_ledger_with(
         move |req| {
             let req = auth.authenticate(req)?;
             if let Some(limit) = &rate_limit {
-                limit.check(&tenant_of(&req)?)?;
+                limit
+                    .check(&tenant_of(&req)?)
+                    .inspect_err(|_| crate::metrics::rate_limited())?;
             }
             Ok(req)
         },

@@ -46,6 +46,7 @@ impl<S: Store> FenceService<S> {
     /// group it was decided in is durable.
     async fn sequenced<T, Q, F>(
         &self,
+        method: &'static str,
         req: Request<Q>,
         route: impl FnOnce(&str, &Q) -> u64,
         f: F,
@@ -55,6 +56,7 @@ impl<S: Store> FenceService<S> {
         Q: Send + 'static,
         F: FnOnce(&Ledger<S>, &str, Q) -> Result<T, LedgerError> + Send + 'static,
     {
+        let started = std::time::Instant::now();
         let tenant = tenant_of(&req)?;
         let body = req.into_inner();
         let route = route(&tenant, &body);
@@ -65,17 +67,23 @@ impl<S: Store> FenceService<S> {
             .submit(route, move |ledger| {
                 span.in_scope(|| f(ledger, &tenant, body))
             })
-            .await?;
-        Ok(Response::new(out))
+            .await;
+        finished(method, started, out)
     }
 
     /// Runs `f` against the ledger on the blocking pool, with the caller's tenant.
-    async fn run<T, Q, F>(&self, req: Request<Q>, f: F) -> Result<Response<T>, Status>
+    async fn run<T, Q, F>(
+        &self,
+        method: &'static str,
+        req: Request<Q>,
+        f: F,
+    ) -> Result<Response<T>, Status>
     where
         T: Send + 'static,
         Q: Send + 'static,
         F: FnOnce(&Ledger<S>, &str, Q) -> Result<T, LedgerError> + Send + 'static,
     {
+        let started = std::time::Instant::now();
         let tenant = tenant_of(&req)?;
         let body = req.into_inner();
         let ledger = self.ledger.clone();
@@ -86,9 +94,21 @@ impl<S: Store> FenceService<S> {
             .map_err(|e| {
                 tracing::error!(error = %e, "ledger task failed");
                 Status::internal("the request could not be processed")
-            })?;
-        Ok(Response::new(out?))
+            })
+            .and_then(|r| r.map_err(Status::from));
+        finished(method, started, out)
     }
+}
+
+/// Records a finished RPC's metrics and wraps its answer.
+fn finished<T>(
+    method: &'static str,
+    started: std::time::Instant,
+    out: Result<T, Status>,
+) -> Result<Response<T>, Status> {
+    let code = out.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
+    crate::metrics::rpc(method, started, code);
+    out.map(Response::new)
 }
 
 /// The route of an effect's run (its id holds the run key); 0 for an id that does not parse,
@@ -147,7 +167,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::RegisterToolRequest>,
     ) -> Result<Response<pb::RegisterToolResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("RegisterTool", req, |l, t, r| {
             let (tool, created) = l.register_tool(t, convert::tool_def(r)?)?;
             tracing::info!(tenant = t, tool = %tool.name, version = tool.version, created, "tool registered");
             Ok(pb::RegisterToolResponse {
@@ -162,7 +182,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::GetToolRequest>,
     ) -> Result<Response<pb::GetToolResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("GetTool", req, |l, t, r| {
             crate::ledger::check_id("name", &r.name, l.config().limits.max_id_bytes)?;
             let tool = l.registered_tool(t, &r.name, r.version)?;
             Ok(pb::GetToolResponse {
@@ -176,7 +196,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::StartRunRequest>,
     ) -> Result<Response<pb::StartRunResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("StartRun", req, |l, t, r| {
             let (view, created) = l.start_run(t, &r.run_id)?;
             Ok(pb::StartRunResponse {
                 run: Some(convert::run_info(&view)),
@@ -190,7 +210,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::GetRunRequest>,
     ) -> Result<Response<pb::GetRunResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("GetRun", req, |l, t, r| {
             let view = l.get_run(t, &r.run_id)?;
             Ok(pb::GetRunResponse {
                 run: Some(convert::run_info(&view)),
@@ -203,7 +223,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::CheckpointRequest>,
     ) -> Result<Response<pb::CheckpointResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("Checkpoint", req, |l, t, r| {
             let (cp, created) = l.checkpoint(t, &convert::checkpoint_cmd(r))?;
             Ok(pb::CheckpointResponse {
                 checkpoint: Some(convert::checkpoint_info(&cp)),
@@ -217,7 +237,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::RestoreRequest>,
     ) -> Result<Response<pb::RestoreResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("Restore", req, |l, t, r| {
             let restored = l.restore(t, &r.run_id, &r.checkpoint_id, r.expected_epoch)?;
             tracing::info!(tenant = t, run = %r.run_id, checkpoint = %r.checkpoint_id,
                 epoch = restored.epoch, tape = restored.tape.len(), "run restored");
@@ -230,7 +250,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::ForkRequest>,
     ) -> Result<Response<pb::ForkResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("Fork", req, |l, t, r| {
             let cmd = convert::fork_cmd(r);
             let forked = l.fork(t, &cmd)?;
             let view = l.get_run(t, &cmd.run_id)?;
@@ -252,9 +272,10 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::BeginRequest>,
     ) -> Result<Response<pb::BeginResponse>, Status> {
-        self.sequenced(req, |t, r| route_of(t, &r.run_id), |l, t, r| {
+        self.sequenced("Begin", req, |t, r| route_of(t, &r.run_id), |l, t, r| {
             let cmd = BeginCmd::try_from(r)?;
             let begun = l.begin(t, &cmd)?;
+            crate::metrics::decision(&begun.decision);
             tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
             Ok(convert::begin_response(begun))
         })
@@ -268,7 +289,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         let route = |t: &str, r: &pb::BeginBatchRequest| {
             r.calls.first().map_or(0, |c| route_of(t, &c.run_id))
         };
-        self.sequenced(req, route, |l, t, r| {
+        self.sequenced("BeginBatch", req, route, |l, t, r| {
             l.check_batch("calls", r.calls.len())?;
             let calls = r.calls.into_iter().map(BeginCmd::try_from).collect();
             let answers = in_order(calls, |cmds| l.begin_many(t, cmds))?;
@@ -298,7 +319,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
                 .first()
                 .map_or(0, |c| effect_route(&c.effect_id))
         };
-        self.sequenced(req, route, |l, t, r| {
+        self.sequenced("CompleteBatch", req, route, |l, t, r| {
             l.check_batch("completions", r.completions.len())?;
             let completions = r
                 .completions
@@ -334,7 +355,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let route = |_: &str, r: &pb::HeartbeatRequest| effect_route(&r.effect_id);
-        self.sequenced(req, route, |l, t, r| {
+        self.sequenced("Heartbeat", req, route, |l, t, r| {
             let rec = l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)?;
             Ok(pb::HeartbeatResponse {
                 receipt: Some(convert::receipt(rec, true)),
@@ -348,7 +369,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         req: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let route = |_: &str, r: &pb::CompleteRequest| effect_route(&r.effect_id);
-        self.sequenced(req, route, |l, t, r| {
+        self.sequenced("Complete", req, route, |l, t, r| {
             let outcome = convert::outcome(r.outcome)?;
             let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
             tracing::debug!(tenant = t, effect = %r.effect_id, state = rec.state, "complete");
@@ -363,7 +384,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::ReconcileRequest>,
     ) -> Result<Response<pb::ReconcileResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("Reconcile", req, |l, t, r| {
             let finding = convert::finding(r.outcome)?;
             let rec = l.reconcile(t, &r.effect_id, r.epoch, &r.evidence, finding)?;
             tracing::info!(tenant = t, effect = %r.effect_id, state = rec.state, "effect reconciled");
@@ -378,7 +399,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::QueryOutcomeRequest>,
     ) -> Result<Response<pb::QueryOutcomeResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("QueryOutcome", req, |l, t, r| {
             let key = convert::outcome_key(r.key)?;
             Ok(match l.query_outcome(t, &key)? {
                 Some(rec) => pb::QueryOutcomeResponse {
@@ -398,7 +419,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::ListEffectsRequest>,
     ) -> Result<Response<pb::ListEffectsResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("ListEffects", req, |l, t, r| {
             let (effects, next_page_token) = l.list_effects(t, &convert::list_query(r))?;
             Ok(pb::ListEffectsResponse {
                 effects: effects
@@ -415,7 +436,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::RegisterCredentialRequest>,
     ) -> Result<Response<pb::RegisterCredentialResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("RegisterCredential", req, |l, t, r| {
             let (cred, created) = l.register_credential(t, &convert::credential_def(r))?;
             Ok(pb::RegisterCredentialResponse {
                 credential: Some(convert::credential_info(&cred)),
@@ -429,7 +450,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::GetCredentialRequest>,
     ) -> Result<Response<pb::GetCredentialResponse>, Status> {
-        self.run(req, |l, t, r| {
+        self.run("GetCredential", req, |l, t, r| {
             let cred = l.get_credential(t, &r.token)?;
             Ok(pb::GetCredentialResponse {
                 credential: Some(convert::credential_info(&cred)),

@@ -1,0 +1,121 @@
+//! Prometheus metrics: what is recorded (names and labels, all of bounded cardinality: no
+//! run, effect or tenant ids) and, with `fenced --metrics-listen ADDR`, the admin listener
+//! that serves them at `GET /metrics`. Without a listener no recorder is installed and every
+//! recording is a no-op (one atomic load).
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `fence_rpc_requests_total` | counter | `method`, `code` (gRPC status name) |
+//! | `fence_rpc_duration_seconds` | histogram | `method` |
+//! | `fence_decisions_total` | counter | `decision` (execute, replay, in_progress, refused), `reason` (the refusal reason, or "") |
+//! | `fence_group_commits_total` | counter | `result` (ok, failed): sequencer groups, one WAL sync each |
+//! | `fence_group_commit_requests` | histogram | requests decided per group |
+//! | `fence_rate_limited_total` | counter | calls refused by `--tenant-rate-limit` |
+
+use std::time::Instant;
+
+use crate::ledger::Decision;
+
+/// Records one finished RPC.
+pub fn rpc(method: &'static str, started: Instant, code: tonic::Code) {
+    metrics::counter!("fence_rpc_requests_total", "method" => method, "code" => code_name(code))
+        .increment(1);
+    metrics::histogram!("fence_rpc_duration_seconds", "method" => method)
+        .record(started.elapsed().as_secs_f64());
+}
+
+/// Records one Begin decision.
+pub fn decision(d: &Decision) {
+    let (decision, reason) = match d {
+        Decision::Execute { .. } => ("execute", ""),
+        Decision::Replay(_) => ("replay", ""),
+        Decision::InProgress { .. } => ("in_progress", ""),
+        Decision::Refused(r) => (
+            "refused",
+            fence_proto::v1::ReasonCode::try_from(r.reason.code())
+                .map_or("UNKNOWN", |c| c.as_str_name()),
+        ),
+    };
+    metrics::counter!("fence_decisions_total", "decision" => decision, "reason" => reason)
+        .increment(1);
+}
+
+/// Records one sequencer group: how many requests it decided and whether its sync held.
+pub fn group_commit(requests: usize, ok: bool) {
+    let result = if ok { "ok" } else { "failed" };
+    metrics::counter!("fence_group_commits_total", "result" => result).increment(1);
+    metrics::histogram!("fence_group_commit_requests").record(requests as f64);
+}
+
+/// Records a call refused by the per-tenant rate limit.
+pub fn rate_limited() {
+    metrics::counter!("fence_rate_limited_total").increment(1);
+}
+
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code as C;
+    match code {
+        C::Ok => "OK",
+        C::Cancelled => "CANCELLED",
+        C::Unknown => "UNKNOWN",
+        C::InvalidArgument => "INVALID_ARGUMENT",
+        C::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        C::NotFound => "NOT_FOUND",
+        C::AlreadyExists => "ALREADY_EXISTS",
+        C::PermissionDenied => "PERMISSION_DENIED",
+        C::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        C::FailedPrecondition => "FAILED_PRECONDITION",
+        C::Aborted => "ABORTED",
+        C::OutOfRange => "OUT_OF_RANGE",
+        C::Unimplemented => "UNIMPLEMENTED",
+        C::Internal => "INTERNAL",
+        C::Unavailable => "UNAVAILABLE",
+        C::DataLoss => "DATA_LOSS",
+        C::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Installs the Prometheus recorder (once per process) and serves its text at `GET /metrics`
+/// (any other path: 404) on `listener`, until the process ends.
+#[cfg(feature = "rocksdb")]
+pub fn serve(listener: tokio::net::TcpListener) -> Result<(), String> {
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    use hyper::{Response, StatusCode};
+
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics listener: accept failed");
+                    continue;
+                }
+            };
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req: hyper::Request<_>| {
+                    let response = if req.uri().path() == "/metrics" {
+                        handle.run_upkeep();
+                        Response::builder()
+                            .header("content-type", "text/plain; version=0.0.4")
+                            .body(Full::new(Bytes::from(handle.render())))
+                    } else {
+                        Response::builder()
+                            .status(StatusCode::NOT_FOUND)
+                            .body(Full::new(Bytes::from_static(b"metrics are at /metrics\n")))
+                    };
+                    async move { response }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,129 @@
+//! Prometheus metrics: `fenced --metrics-listen` serves them, and the counters move with real
+//! calls (decisions by kind and reason, RPCs by method and code, group commits).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use fence_proto::v1 as pb;
+use fence_proto::v1::decision::Outcome as O;
+use fence_proto::v1::fence_client::FenceClient;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// GET `path` from the metrics listener: (status line, body).
+async fn get(addr: &str, path: &str) -> (String, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).await.unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+/// The value of the sample whose line starts with `series` (name and labels as rendered).
+fn sample(metrics: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = series.split_once('{').unwrap_or((series, ""));
+        (n == name
+            && labels
+                .iter()
+                .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\""))))
+        .then(|| value.parse().ok())?
+    })
+}
+
+fn call(step: &str, amount: u32) -> pb::BeginRequest {
+    pb::BeginRequest {
+        run_id: "r".into(),
+        tool: "pay".into(),
+        step_key: step.into(),
+        arguments_json: format!(r#"{{"amount":{amount}}}"#),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn counters_move_with_real_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let grpc = lines.next().unwrap().unwrap();
+    let grpc = grpc.trim_start_matches("fenced listening on ").to_owned();
+    let metrics = lines.next().unwrap().unwrap();
+    let metrics = metrics.trim_start_matches("fenced metrics on ").to_owned();
+    let mut c = FenceClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+
+    let begun = c.begin(call("a", 1)).await.unwrap().into_inner();
+    let Some(O::Execute(ex)) = begun.decision.and_then(|d| d.outcome) else {
+        panic!("expected a grant")
+    };
+    c.complete(pb::CompleteRequest {
+        effect_id: ex.effect_id,
+        attempt: ex.attempt,
+        outcome: Some(pb::complete_request::Outcome::Result(b"ok".to_vec())),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // A replay, and a refusal: the same step with other arguments.
+    c.begin(call("a", 1)).await.unwrap();
+    c.begin(call("a", 2)).await.unwrap();
+    // An invalid request.
+    c.begin(pb::BeginRequest {
+        run_id: String::new(),
+        ..call("b", 1)
+    })
+    .await
+    .unwrap_err();
+
+    let (status, body) = get(&metrics, "/metrics").await;
+    assert!(status.contains("200"), "{status}");
+    let d = |decision, reason| {
+        sample(
+            &body,
+            "fence_decisions_total",
+            &[("decision", decision), ("reason", reason)],
+        )
+    };
+    assert_eq!(d("execute", ""), Some(1.0), "{body}");
+    assert_eq!(d("replay", ""), Some(1.0), "{body}");
+    assert_eq!(d("refused", "ARGUMENT_MISMATCH"), Some(1.0), "{body}");
+    let rpcs = |method, code| {
+        sample(
+            &body,
+            "fence_rpc_requests_total",
+            &[("method", method), ("code", code)],
+        )
+    };
+    assert_eq!(rpcs("Begin", "OK"), Some(3.0), "{body}");
+    assert_eq!(rpcs("Begin", "INVALID_ARGUMENT"), Some(1.0), "{body}");
+    assert_eq!(rpcs("Complete", "OK"), Some(1.0), "{body}");
+    assert!(
+        sample(&body, "fence_group_commits_total", &[("result", "ok")]).unwrap_or(0.0) >= 1.0,
+        "{body}"
+    );
+    assert!(body.contains("fence_rpc_duration_seconds"), "{body}");
+    // No run, effect or tenant ids in any label.
+    assert!(!body.contains("\"r\""), "{body}");
+    let (status, _) = get(&metrics, "/other").await;
+    assert!(status.contains("404"), "{status}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
