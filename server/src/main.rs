@@ -46,9 +46,9 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen for metrics on {metrics}"))?;
         let metrics = listener.local_addr()?;
         fence_server::metrics::serve(listener).map_err(anyhow::Error::msg)?;
+        // Best effort: a launcher that read only the first line may have closed stdout.
         let mut out = std::io::stdout().lock();
-        writeln!(out, "fenced metrics on {metrics}")?;
-        out.flush()?;
+        let _ = writeln!(out, "fenced metrics on {metrics}").and_then(|()| out.flush());
         tracing::info!(%metrics, "serving Prometheus metrics at /metrics");
     }
     tracing::info!(%addr, data_dir = %config.data_dir.display(), "fenced starting");

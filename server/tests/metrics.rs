@@ -127,3 +127,41 @@ async fn counters_move_with_real_calls() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// A launcher that reads only the address line and closes stdout does not take the server
+/// down when it then prints the metrics line.
+#[tokio::test]
+async fn a_launcher_reading_only_the_first_line_does_not_stop_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let grpc = {
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        line.trim()
+            .trim_start_matches("fenced listening on ")
+            .to_owned()
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let mut c = FenceClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+    c.begin(call("a", 1)).await.unwrap();
+    assert!(child.try_wait().unwrap().is_none(), "fenced exited");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
