@@ -11,6 +11,9 @@
 //! | `fence_group_commits_total` | counter | `result` (ok, failed): sequencer groups, one WAL sync each |
 //! | `fence_group_commit_requests` | histogram | requests decided per group |
 //! | `fence_rate_limited_total` | counter | calls refused by `--tenant-rate-limit` |
+//! | `fence_store_writes_total` | counter | `durability` (synced, deferred: synced with its group, unsynced: audit counters) |
+//! | `fence_wal_syncs_total` | counter | WAL syncs asked of RocksDB (writes per sync = writes / syncs) |
+//! | `fence_store_bytes` | gauge | the store's table files and memtables (updated every retention sweep) |
 
 use std::time::Instant;
 
@@ -50,6 +53,21 @@ pub fn group_commit(requests: usize, ok: bool) {
 /// Records a call refused by the per-tenant rate limit.
 pub fn rate_limited() {
     metrics::counter!("fence_rate_limited_total").increment(1);
+}
+
+/// Records one store write of the given durability.
+pub fn store_write(durability: &'static str) {
+    metrics::counter!("fence_store_writes_total", "durability" => durability).increment(1);
+}
+
+/// Records one WAL sync.
+pub fn wal_sync() {
+    metrics::counter!("fence_wal_syncs_total").increment(1);
+}
+
+/// Sets the store's size.
+pub fn store_bytes(bytes: u64) {
+    metrics::gauge!("fence_store_bytes").set(bytes as f64);
 }
 
 fn code_name(code: tonic::Code) -> &'static str {

@@ -318,7 +318,13 @@ async fn sweep_loop(ledger: Arc<Ledger<RocksStore>>, every: Duration) {
     loop {
         tick.tick().await;
         let l = ledger.clone();
-        match tokio::task::spawn_blocking(move || l.sweep_expired(1024)).await {
+        let swept = tokio::task::spawn_blocking(move || {
+            if let Ok(bytes) = l.store().size_bytes() {
+                crate::metrics::store_bytes(bytes);
+            }
+            l.sweep_expired(1024)
+        });
+        match swept.await {
             Ok(Ok(n)) if n > 0 => tracing::debug!(processed = n, "retention sweep"),
             Ok(Err(e)) => tracing::warn!(error = %e, "retention sweep failed; will retry"),
             _ => {}

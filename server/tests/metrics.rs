@@ -120,6 +120,31 @@ async fn counters_move_with_real_calls() {
         "{body}"
     );
     assert!(body.contains("fence_rpc_duration_seconds"), "{body}");
+    // A grant and a completion were written durably, each group with its sync; the replay's
+    // audit counters were not synced.
+    let synced = sample(
+        &body,
+        "fence_store_writes_total",
+        &[("durability", "deferred")],
+    );
+    assert!(synced.unwrap_or(0.0) >= 2.0, "{body}");
+    assert_eq!(
+        sample(
+            &body,
+            "fence_store_writes_total",
+            &[("durability", "unsynced")]
+        ),
+        Some(1.0),
+        "{body}"
+    );
+    assert!(
+        sample(&body, "fence_wal_syncs_total", &[]).unwrap_or(0.0) >= 2.0,
+        "{body}"
+    );
+    assert!(
+        sample(&body, "fence_store_bytes", &[]).unwrap_or(0.0) > 0.0,
+        "{body}"
+    );
     // No run, effect or tenant ids in any label.
     assert!(!body.contains("\"r\""), "{body}");
     let (status, _) = get(&metrics, "/other").await;

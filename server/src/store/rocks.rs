@@ -216,6 +216,22 @@ impl RocksStore {
             .clone()
     }
 
+    /// Bytes the store holds: its table files and memtables (RocksDB's own figures).
+    pub fn size_bytes(&self) -> Result<u64, StoreError> {
+        self.with_db_for_read(|db| {
+            let cf = cf(db);
+            let property = |name: &str| {
+                db.property_int_value_cf(cf, name)
+                    .map_err(engine)
+                    .map(|v| v.unwrap_or(0))
+            };
+            Ok(
+                property("rocksdb.total-sst-files-size")?
+                    + property("rocksdb.size-all-mem-tables")?,
+            )
+        })
+    }
+
     /// The directory the store lives in.
     pub fn path(&self) -> &Path {
         &self.path
@@ -308,14 +324,20 @@ impl RocksStore {
             }
             if !durable {
                 // Audit data: into the WAL, synced by whichever durable write comes next.
+                crate::metrics::store_write("unsynced");
                 db.write_opt(wb, &write_options(false)).map_err(engine)
             } else if self.opts.sync_writes && DEFERRING.get() {
+                crate::metrics::store_write("deferred");
                 let d = &self.deferral;
                 let _gate = d.gate.lock().unwrap_or_else(|e| e.into_inner());
                 // The ticket is taken before the write is visible: see `Deferral`.
                 d.issued.fetch_add(1, Ordering::AcqRel);
                 db.write_opt(wb, &write_options(false)).map_err(engine)
             } else {
+                crate::metrics::store_write("synced");
+                if self.opts.sync_writes {
+                    crate::metrics::wal_sync();
+                }
                 db.write_opt(wb, &write_options(self.opts.sync_writes))
                     .map_err(engine)
             }
@@ -342,6 +364,7 @@ impl RocksStore {
             // A sync that ran while this one waited covered it.
             return Ok(());
         }
+        crate::metrics::wal_sync();
         let result = self.with_db(|db| db.flush_wal(true).map_err(engine));
         match result {
             Ok(()) => {
