@@ -560,7 +560,9 @@ fn stable_keys_and_restores_along_the_original_line_need_no_fork() {
 /// effects still due when cp-15 was recorded (4, 6, 7: rewound by the restores to cp-0, never
 /// re-answered on main) are lost, and call 7 executes intent 2 a third time. Recording the due
 /// entries in the checkpoint and putting them back on the tape fixes this case but makes a
-/// saved Stable-keys case refuse an unchanged call (FORK_REQUIRED); the fix needs both.
+/// saved Stable-keys case refuse an unchanged call (FORK_REQUIRED): there an entry due at the
+/// checkpoint had been superseded (the agent had forked past it and replayed the fork's
+/// effect instead), so it must not come back. The fix has to tell the two apart.
 #[test]
 #[ignore = "known bug: a restore to a checkpoint recorded while a tape was due loses the due entries"]
 fn new_keys_per_attempt_and_drifting_restores_execute_no_call_twice() {
