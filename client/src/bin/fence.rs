@@ -1,0 +1,269 @@
+//! `fence`: the operator's command line for a running `fenced` (over gRPC, with the clients'
+//! token, tenant and TLS settings).
+//!
+//! ```text
+//! fence health
+//! fence effects list RUN [--branch B] [--state effect_unknown] [--json]
+//! fence reconcile EFFECT_ID (--failed-before-input | --completed RESULT) --evidence TEXT
+//! ```
+//!
+//! Exit codes: 0 done; 1 the server refused or failed the request; 2 bad usage; 3 the server
+//! could not be reached; 4 the run or effect does not exist.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use fence_client::{EffectFilter, EffectState, Error, FenceClient, Finding, Receipt};
+use tonic::transport::{Certificate, ClientTlsConfig};
+
+/// Inspect and settle what a Fence server recorded.
+#[derive(Debug, Parser)]
+#[command(name = "fence", version)]
+struct Args {
+    /// The Fence server.
+    #[arg(
+        long,
+        env = "FENCE_URL",
+        default_value = "http://127.0.0.1:50051",
+        global = true
+    )]
+    url: String,
+    /// Bearer token (its tenant is the token's).
+    #[arg(long, env = "FENCE_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
+    /// Tenant, for a server in dev mode (no tokens).
+    #[arg(long, env = "FENCE_TENANT", global = true)]
+    tenant: Option<String>,
+    /// PEM CA certificate to verify an https:// server with.
+    #[arg(long, env = "FENCE_CA_CERT", global = true)]
+    ca_cert: Option<std::path::PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Is the server up and serving? (exit 0 if so, 3 if not)
+    Health,
+    /// A run's effects.
+    Effects {
+        #[command(subcommand)]
+        command: EffectsCommand,
+    },
+    /// Settle an effect whose outcome is unknown, after checking the downstream system.
+    Reconcile {
+        /// The effect's id.
+        effect_id: String,
+        /// It did not happen: the next call of it runs it.
+        #[arg(
+            long,
+            conflicts_with = "completed",
+            required_unless_present = "completed"
+        )]
+        failed_before_input: bool,
+        /// It happened, with this result: calls of it replay it.
+        #[arg(long)]
+        completed: Option<String>,
+        /// What you checked (kept for audit).
+        #[arg(long)]
+        evidence: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum EffectsCommand {
+    /// List a run's effects (every branch, or one).
+    List {
+        /// The run.
+        run_id: String,
+        /// Only this branch's own effects.
+        #[arg(long)]
+        branch: Option<String>,
+        /// Only effects in this state (e.g. effect_unknown, completed, accepted).
+        #[arg(long)]
+        state: Option<String>,
+        /// One JSON object per effect, one per line, instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            eprintln!("fence: {}", failure.message);
+            ExitCode::from(failure.code)
+        }
+    }
+}
+
+/// Why a command failed, and its exit code.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::Connect(_) => 3,
+            Error::Rpc { code, .. } if *code == tonic::Code::Unavailable => 3,
+            Error::Rpc { code, .. } if *code == tonic::Code::NotFound => 4,
+            Error::Refused { refusal, .. }
+                if refusal.reason == fence_client::ReasonCode::UnknownRecord =>
+            {
+                4
+            }
+            _ => 1,
+        };
+        // The refusal's own sentence says what to do; other errors carry their cause.
+        let message = match e.refusal() {
+            Some(r) => format!("{}: {}", r.reason, r.message),
+            None => format!("{e}"),
+        };
+        Failure { code, message }
+    }
+}
+
+fn usage(message: String) -> Failure {
+    Failure { code: 2, message }
+}
+
+async fn connect(args: &Args) -> Result<FenceClient, Failure> {
+    let mut builder = FenceClient::builder(args.url.clone())
+        .connect_timeout(Duration::from_secs(5))
+        .request_timeout(Duration::from_secs(30));
+    if let Some(token) = &args.token {
+        builder = builder.bearer_token(token.clone());
+    }
+    if let Some(tenant) = &args.tenant {
+        builder = builder.tenant(tenant.clone());
+    }
+    if let Some(path) = &args.ca_cert {
+        let pem = std::fs::read(path)
+            .map_err(|e| usage(format!("cannot read {}: {e}", path.display())))?;
+        builder = builder.tls(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)));
+    }
+    builder.connect().await.map_err(|e| Failure {
+        code: 3,
+        message: format!("cannot reach {}: {e}", args.url),
+    })
+}
+
+async fn run(args: Args) -> Result<(), Failure> {
+    let client = connect(&args).await?;
+    match args.command {
+        Command::Health => {
+            // The cheapest authenticated call: an unknown run answers NOT_FOUND when serving.
+            match client.get_run("fence-cli-health-check").await {
+                Ok(_) => {}
+                Err(e) => {
+                    let failure = Failure::from(e);
+                    if failure.code != 4 {
+                        return Err(failure);
+                    }
+                }
+            }
+            println!("serving");
+            Ok(())
+        }
+        Command::Effects {
+            command:
+                EffectsCommand::List {
+                    run_id,
+                    branch,
+                    state,
+                    json,
+                },
+        } => {
+            let wanted = match state {
+                Some(s) => Some(EffectState::from_str_name(&s.to_uppercase()).ok_or_else(|| {
+                    usage(format!(
+                        "--state {s:?} is not a state (accepted, running, completed, failed_before_input, effect_unknown, compensated)"
+                    ))
+                })?),
+                None => None,
+            };
+            let mut filter = EffectFilter::run(run_id);
+            if let Some(b) = branch {
+                filter = filter.branch(b);
+            }
+            let effects: Vec<Receipt> = client
+                .list_effects(&filter)
+                .await?
+                .into_iter()
+                .filter(|r| wanted.is_none_or(|w| r.state == w))
+                .collect();
+            if json {
+                for r in &effects {
+                    println!("{}", receipt_json(r));
+                }
+            } else {
+                print_table(&effects);
+            }
+            Ok(())
+        }
+        Command::Reconcile {
+            effect_id,
+            failed_before_input,
+            completed,
+            evidence,
+        } => {
+            let finding = match (failed_before_input, completed) {
+                (true, _) => Finding::FailedBeforeInput(evidence.clone()),
+                (false, Some(result)) => Finding::Completed(result.into_bytes()),
+                (false, None) => {
+                    return Err(usage(
+                        "say what happened: --failed-before-input or --completed RESULT".into(),
+                    ));
+                }
+            };
+            let receipt = client.reconcile(&effect_id, 0, &evidence, finding).await?;
+            println!("{} is now {}", receipt.effect_id, receipt.state);
+            Ok(())
+        }
+    }
+}
+
+fn print_table(effects: &[Receipt]) {
+    println!(
+        "{:<50} {:<20} {:<24} {:<24} {:>8} {:>7}",
+        "EFFECT", "STATE", "TOOL", "STEP KEY", "POSITION", "ATTEMPT"
+    );
+    for r in effects {
+        println!(
+            "{:<50} {:<20} {:<24} {:<24} {:>8} {:>7}",
+            r.effect_id,
+            r.state,
+            r.tool,
+            r.step_key.as_deref().unwrap_or("-"),
+            r.position,
+            r.attempt
+        );
+    }
+}
+
+fn receipt_json(r: &Receipt) -> serde_json::Value {
+    serde_json::json!({
+        "effect_id": r.effect_id,
+        "run_id": r.run_id,
+        "branch": r.branch,
+        "epoch": r.epoch,
+        "position": r.position,
+        "tool": r.tool,
+        "tool_version": r.tool_version,
+        "class": r.class.as_str_name(),
+        "step_key": r.step_key,
+        "state": r.state.as_str_name(),
+        "result": String::from_utf8_lossy(&r.result),
+        "detail": r.detail,
+        "downstream_key": r.downstream_key,
+        "attempt": r.attempt,
+        "created_at_ms": r.created_at_ms,
+        "updated_at_ms": r.updated_at_ms,
+    })
+}

@@ -1,0 +1,158 @@
+//! The `fence` command line against a real server: health, listing a run's effects (filtered
+//! by state, as a table and as JSON lines), reconciling an unknown outcome, and its exit codes.
+
+mod common;
+
+use std::process::Output;
+use std::time::Duration;
+
+use common::TestServer;
+use fence_client::{Completion, Decision, EffectCall};
+
+/// Runs `fence` with `args` (in a blocking thread: the server runs on this test's runtime).
+async fn fence(args: &[&str]) -> Output {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_fence"))
+            .args(&args)
+            .env_remove("FENCE_URL")
+            .env_remove("FENCE_TOKEN")
+            .env_remove("FENCE_TENANT")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn an_operator_finds_and_settles_an_unknown_outcome() {
+    let srv = TestServer::start().await;
+    let url = srv.url();
+    let c = srv.client().await;
+
+    let health = fence(&["--url", &url, "health"]).await;
+    assert!(health.status.success(), "{health:?}");
+    assert_eq!(stdout(&health).trim(), "serving");
+
+    // One effect completed, one whose executor vanished: its lease lapses, outcome unknown.
+    let run = common::unique("cli");
+    let done = EffectCall::new(&run, "bank.transfer", r#"{"to":"ann","amount":1}"#).step_key("a");
+    let Decision::Execute(grant) = c.begin(&done).await.unwrap().decision else {
+        panic!("expected a grant")
+    };
+    c.complete(
+        &grant.effect_id,
+        grant.attempt,
+        0,
+        Completion::Result(b"tx-1".to_vec()),
+    )
+    .await
+    .unwrap();
+    let lost = EffectCall::new(&run, "bank.transfer", r#"{"to":"bob","amount":2}"#)
+        .step_key("b")
+        .lease_ms(50);
+    let Decision::Execute(lost) = c.begin(&lost).await.unwrap().decision else {
+        panic!("expected a grant")
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+
+    let table = fence(&["--url", &url, "effects", "list", &run]).await;
+    assert!(table.status.success(), "{table:?}");
+    let table = stdout(&table);
+    assert!(
+        table.contains(&grant.effect_id) && table.contains(&lost.effect_id),
+        "{table}"
+    );
+    assert!(
+        table.contains("EFFECT_UNKNOWN") && table.contains("COMPLETED"),
+        "{table}"
+    );
+
+    let unknown = fence(&[
+        "--url",
+        &url,
+        "effects",
+        "list",
+        &run,
+        "--state",
+        "effect_unknown",
+        "--json",
+    ])
+    .await;
+    assert!(unknown.status.success(), "{unknown:?}");
+    let lines: Vec<serde_json::Value> = stdout(&unknown)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["effect_id"], lost.effect_id.as_str());
+    assert_eq!(lines[0]["state"], "EFFECT_UNKNOWN");
+    assert_eq!(lines[0]["downstream_key"], lost.downstream_key.as_str());
+
+    // The operator checked the bank: the transfer never arrived.
+    let settled = fence(&[
+        "--url",
+        &url,
+        "reconcile",
+        &lost.effect_id,
+        "--failed-before-input",
+        "--evidence",
+        "no transfer with this key in the bank's ledger",
+    ])
+    .await;
+    assert!(settled.status.success(), "{settled:?}");
+    assert!(
+        stdout(&settled).contains("FAILED_BEFORE_INPUT"),
+        "{}",
+        stdout(&settled)
+    );
+    let unknown = fence(&[
+        "--url",
+        &url,
+        "effects",
+        "list",
+        &run,
+        "--state",
+        "effect_unknown",
+    ])
+    .await;
+    assert!(
+        !stdout(&unknown).contains(&lost.effect_id),
+        "{}",
+        stdout(&unknown)
+    );
+}
+
+#[tokio::test]
+async fn exit_codes_say_what_went_wrong() {
+    let srv = TestServer::start().await;
+    let url = srv.url();
+    // No such run: 4.
+    let missing = fence(&["--url", &url, "effects", "list", "no-such-run"]).await;
+    assert_eq!(missing.status.code(), Some(4), "{missing:?}");
+    // A bad state name: usage, 2, and nothing asked of the server.
+    let bad = fence(&["--url", &url, "effects", "list", "r", "--state", "gone"]).await;
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a state"));
+    // Nobody listening: 3.
+    let down = fence(&["--url", "http://127.0.0.1:9", "health"]).await;
+    assert_eq!(down.status.code(), Some(3), "{down:?}");
+    // Reconciling an effect that does not exist: 4.
+    let id = format!("e{}", "ab".repeat(24));
+    let none = fence(&[
+        "--url",
+        &url,
+        "reconcile",
+        &id,
+        "--failed-before-input",
+        "--evidence",
+        "x",
+    ])
+    .await;
+    assert_eq!(none.status.code(), Some(4), "{none:?}");
+}
