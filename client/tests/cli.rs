@@ -126,6 +126,23 @@ async fn an_operator_finds_and_settles_an_unknown_outcome() {
         "{}",
         stdout(&unknown)
     );
+
+    // The effect and the run, as an operator reads them.
+    let shown = fence(&["--url", &url, "effect", "show", &lost.effect_id, "--json"]).await;
+    assert!(shown.status.success(), "{shown:?}");
+    let shown: serde_json::Value = serde_json::from_str(stdout(&shown).trim()).unwrap();
+    assert_eq!(shown["state"], "FAILED_BEFORE_INPUT");
+    assert_eq!(shown["step_key"], "b");
+    c.checkpoint(&run, "main", 0, "after-b").await.unwrap();
+    let info = fence(&["--url", &url, "run", "show", &run, "--json"]).await;
+    assert!(info.status.success(), "{info:?}");
+    let info: serde_json::Value = serde_json::from_str(stdout(&info).trim()).unwrap();
+    assert_eq!(info["epoch"], 1);
+    assert_eq!(info["effect_count"], 2);
+    assert_eq!(info["branches"][0]["name"], "main");
+    assert_eq!(info["checkpoints"][0]["checkpoint_id"], "after-b");
+    let table = fence(&["--url", &url, "run", "show", &run]).await;
+    assert!(stdout(&table).contains("after-b"), "{}", stdout(&table));
 }
 
 #[tokio::test]
@@ -144,6 +161,15 @@ async fn exit_codes_say_what_went_wrong() {
     assert_eq!(down.status.code(), Some(3), "{down:?}");
     // Reconciling an effect that does not exist: 4.
     let id = format!("e{}", "ab".repeat(24));
+    let gone = fence(&[
+        "--url",
+        &url,
+        "effect",
+        "show",
+        &format!("e{}", "cd".repeat(24)),
+    ])
+    .await;
+    assert_eq!(gone.status.code(), Some(4), "{gone:?}");
     let none = fence(&[
         "--url",
         &url,

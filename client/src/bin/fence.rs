@@ -3,7 +3,9 @@
 //!
 //! ```text
 //! fence health
+//! fence run show RUN [--json]
 //! fence effects list RUN [--branch B] [--state effect_unknown] [--json]
+//! fence effect show EFFECT_ID [--json]
 //! fence reconcile EFFECT_ID (--failed-before-input | --completed RESULT) --evidence TEXT
 //! ```
 //!
@@ -46,10 +48,20 @@ struct Args {
 enum Command {
     /// Is the server up and serving? (exit 0 if so, 3 if not)
     Health,
+    /// A run: epoch, branches, checkpoints, pending replays, restores.
+    Run {
+        #[command(subcommand)]
+        command: RunCommand,
+    },
     /// A run's effects.
     Effects {
         #[command(subcommand)]
         command: EffectsCommand,
+    },
+    /// One effect.
+    Effect {
+        #[command(subcommand)]
+        command: EffectCommand,
     },
     /// Settle an effect whose outcome is unknown, after checking the downstream system.
     Reconcile {
@@ -68,6 +80,30 @@ enum Command {
         /// What you checked (kept for audit).
         #[arg(long)]
         evidence: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum RunCommand {
+    /// Show a run.
+    Show {
+        /// The run.
+        run_id: String,
+        /// As one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum EffectCommand {
+    /// Show an effect's receipt.
+    Show {
+        /// The effect's id.
+        effect_id: String,
+        /// As one JSON object.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -207,6 +243,41 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Run {
+            command: RunCommand::Show { run_id, json },
+        } => {
+            let run = client.get_run(&run_id).await?;
+            if json {
+                println!("{}", run_json(&run));
+            } else {
+                print_run(&run);
+            }
+            Ok(())
+        }
+        Command::Effect {
+            command: EffectCommand::Show { effect_id, json },
+        } => {
+            let outcome = client
+                .query_outcome(fence_client::OutcomeKey::EffectId(effect_id.clone()))
+                .await?;
+            let Some(receipt) = outcome.receipt else {
+                return Err(Failure {
+                    code: 4,
+                    message: format!("effect {effect_id} does not exist"),
+                });
+            };
+            if json {
+                println!("{}", receipt_json(&receipt));
+            } else {
+                for (k, v) in receipt_json(&receipt).as_object().into_iter().flatten() {
+                    println!(
+                        "{k:<16} {}",
+                        v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+                    );
+                }
+            }
+            Ok(())
+        }
         Command::Reconcile {
             effect_id,
             failed_before_input,
@@ -245,6 +316,84 @@ fn print_table(effects: &[Receipt]) {
             r.attempt
         );
     }
+}
+
+fn print_run(run: &fence_client::RunInfo) {
+    println!(
+        "run {} at epoch {}, {} effects",
+        run.run_id, run.epoch, run.effect_count
+    );
+    println!(
+        "\n{:<24} {:<24} {:>8} {:>16} {:>15}  RESTORED FROM",
+        "BRANCH", "FORKED FROM", "LENGTH", "PENDING REPLAYS", "PENDING CARRIED"
+    );
+    for b in &run.branches {
+        println!(
+            "{:<24} {:<24} {:>8} {:>16} {:>15}  {}",
+            b.name,
+            b.forked_from_checkpoint.as_deref().unwrap_or("-"),
+            b.length,
+            b.pending_replays,
+            b.pending_carried,
+            b.restored_from_checkpoint.as_deref().unwrap_or("-")
+        );
+    }
+    println!(
+        "\n{:<32} {:<24} {:>8} {:>6}",
+        "CHECKPOINT", "BRANCH", "POSITION", "EPOCH"
+    );
+    for c in &run.checkpoints {
+        println!(
+            "{:<32} {:<24} {:>8} {:>6}",
+            c.checkpoint_id, c.branch, c.position, c.epoch
+        );
+    }
+    if !run.restores.is_empty() {
+        println!(
+            "\n{:>6} {:<32} {:<24} {:>8}",
+            "EPOCH", "RESTORED TO", "BRANCH", "REPLAYS"
+        );
+        for r in &run.restores {
+            println!(
+                "{:>6} {:<32} {:<24} {:>8}",
+                r.epoch,
+                r.checkpoint_id,
+                r.branch,
+                r.tape_effect_ids.len()
+            );
+        }
+    }
+}
+
+fn run_json(run: &fence_client::RunInfo) -> serde_json::Value {
+    serde_json::json!({
+        "run_id": run.run_id,
+        "epoch": run.epoch,
+        "effect_count": run.effect_count,
+        "created_at_ms": run.created_at_ms,
+        "branches": run.branches.iter().map(|b| serde_json::json!({
+            "name": b.name,
+            "parent": b.parent,
+            "forked_from_checkpoint": b.forked_from_checkpoint,
+            "fork_position": b.fork_position,
+            "length": b.length,
+            "pending_replays": b.pending_replays,
+            "pending_carried": b.pending_carried,
+            "restored_from_checkpoint": b.restored_from_checkpoint,
+        })).collect::<Vec<_>>(),
+        "checkpoints": run.checkpoints.iter().map(|c| serde_json::json!({
+            "checkpoint_id": c.checkpoint_id,
+            "branch": c.branch,
+            "position": c.position,
+            "epoch": c.epoch,
+        })).collect::<Vec<_>>(),
+        "restores": run.restores.iter().map(|r| serde_json::json!({
+            "epoch": r.epoch,
+            "checkpoint_id": r.checkpoint_id,
+            "branch": r.branch,
+            "tape_effect_ids": r.tape_effect_ids,
+        })).collect::<Vec<_>>(),
+    })
 }
 
 fn receipt_json(r: &Receipt) -> serde_json::Value {
