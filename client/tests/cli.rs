@@ -143,6 +143,22 @@ async fn an_operator_finds_and_settles_an_unknown_outcome() {
     assert_eq!(info["checkpoints"][0]["checkpoint_id"], "after-b");
     let table = fence(&["--url", &url, "run", "show", &run]).await;
     assert!(stdout(&table).contains("after-b"), "{}", stdout(&table));
+
+    // The audit trail: both effects in recording order, with arguments and evidence.
+    let export = fence(&["--url", &url, "export", &run]).await;
+    assert!(export.status.success(), "{export:?}");
+    let trail: Vec<serde_json::Value> = stdout(&export)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(trail.len(), 2, "{trail:?}");
+    assert_eq!(trail[0]["effect_id"], grant.effect_id.as_str());
+    assert_eq!(trail[0]["result"], "tx-1");
+    assert_eq!(trail[1]["arguments_json"], r#"{"to":"bob","amount":2}"#);
+    assert_eq!(
+        trail[1]["evidence"],
+        "no transfer with this key in the bank's ledger"
+    );
 }
 
 #[tokio::test]

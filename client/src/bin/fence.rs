@@ -6,6 +6,7 @@
 //! fence run show RUN [--json]
 //! fence effects list RUN [--branch B] [--state effect_unknown] [--json]
 //! fence effect show EFFECT_ID [--json]
+//! fence export RUN   # the run's audit trail: every effect on every branch, one JSON per line
 //! fence reconcile EFFECT_ID (--failed-before-input | --completed RESULT) --evidence TEXT
 //! ```
 //!
@@ -62,6 +63,12 @@ enum Command {
     Effect {
         #[command(subcommand)]
         command: EffectCommand,
+    },
+    /// A run's audit trail: every effect it recorded on every branch (rewound and carried
+    /// ones included), in recording order, one JSON object per line.
+    Export {
+        /// The run.
+        run_id: String,
     },
     /// Settle an effect whose outcome is unknown, after checking the downstream system.
     Reconcile {
@@ -275,6 +282,16 @@ async fn run(args: Args) -> Result<(), Failure> {
                         v.as_str().map_or_else(|| v.to_string(), str::to_owned)
                     );
                 }
+            }
+            Ok(())
+        }
+        Command::Export { run_id } => {
+            // Listed in sequence order: the order Fence recorded them.
+            for r in &client.list_effects(&EffectFilter::run(run_id)).await? {
+                let mut line = receipt_json(r);
+                line["arguments_json"] = serde_json::Value::String(r.arguments_json.clone());
+                line["evidence"] = serde_json::Value::String(r.evidence.clone());
+                println!("{line}");
             }
             Ok(())
         }
