@@ -90,7 +90,7 @@ pub struct Config {
 
     /// Concurrent requests (HTTP/2 streams) one connection may have open; more wait. With
     /// --max-page-bytes, this bounds what one connection that never reads its responses can
-    /// make the server buffer (about streams x 3 x page bytes).
+    /// make the server buffer (about streams x 6 x page bytes, measured).
     #[arg(long, env = "FENCE_MAX_STREAMS_PER_CONNECTION", default_value_t = 64)]
     pub max_streams_per_connection: u32,
 
