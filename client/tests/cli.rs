@@ -162,6 +162,28 @@ async fn an_operator_finds_and_settles_an_unknown_outcome() {
 }
 
 #[tokio::test]
+async fn a_tool_registration_is_shown() {
+    let srv = TestServer::start().await;
+    let url = srv.url();
+    let c = srv.client().await;
+    let name = common::unique("payments.charge");
+    c.register_tool(
+        fence_client::ToolDef::new(&name, fence_client::OperationClass::NonRetryable)
+            .volatile(["request_id"]),
+    )
+    .await
+    .unwrap();
+    let shown = fence(&["--url", &url, "tools", "show", &name, "--json"]).await;
+    assert!(shown.status.success(), "{shown:?}");
+    let shown: serde_json::Value = serde_json::from_str(stdout(&shown).trim()).unwrap();
+    assert_eq!(shown["version"], 1);
+    assert_eq!(shown["class"], "NON_RETRYABLE");
+    assert_eq!(shown["volatile_fields"], serde_json::json!(["request_id"]));
+    let never = fence(&["--url", &url, "tools", "show", "never.registered"]).await;
+    assert_eq!(never.status.code(), Some(4), "{never:?}");
+}
+
+#[tokio::test]
 async fn exit_codes_say_what_went_wrong() {
     let srv = TestServer::start().await;
     let url = srv.url();

@@ -7,6 +7,7 @@
 //! fence effects list RUN [--branch B] [--state effect_unknown] [--json]
 //! fence effect show EFFECT_ID [--json]
 //! fence export RUN   # the run's audit trail: every effect on every branch, one JSON per line
+//! fence tools show NAME [--version N] [--json]
 //! fence reconcile EFFECT_ID (--failed-before-input | --completed RESULT) --evidence TEXT
 //! ```
 //!
@@ -64,6 +65,11 @@ enum Command {
         #[command(subcommand)]
         command: EffectCommand,
     },
+    /// Registered tools.
+    Tools {
+        #[command(subcommand)]
+        command: ToolsCommand,
+    },
     /// A run's audit trail: every effect it recorded on every branch (rewound and carried
     /// ones included), in recording order, one JSON object per line.
     Export {
@@ -96,6 +102,21 @@ enum RunCommand {
     Show {
         /// The run.
         run_id: String,
+        /// As one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ToolsCommand {
+    /// Show a tool's registration: class, intent schema, retention, lease.
+    Show {
+        /// The tool's name.
+        name: String,
+        /// A given version (default: the current one).
+        #[arg(long)]
+        version: Option<u32>,
         /// As one JSON object.
         #[arg(long)]
         json: bool,
@@ -279,6 +300,38 @@ async fn run(args: Args) -> Result<(), Failure> {
                 for (k, v) in receipt_json(&receipt).as_object().into_iter().flatten() {
                     println!(
                         "{k:<16} {}",
+                        v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+                    );
+                }
+            }
+            Ok(())
+        }
+        Command::Tools {
+            command:
+                ToolsCommand::Show {
+                    name,
+                    version,
+                    json,
+                },
+        } => {
+            let tool = client.get_tool(&name, version).await?;
+            let line = serde_json::json!({
+                "name": tool.def.name,
+                "version": tool.version,
+                "class": tool.def.class.as_str_name(),
+                "volatile_fields": tool.def.intent_schema.volatile_fields,
+                "normalized_fields": tool.def.intent_schema.normalized_fields,
+                "string_normalization": format!("{:?}", tool.def.intent_schema.string_normalization),
+                "retention_ms": tool.def.retention_ms,
+                "lease_ms": tool.def.lease_ms,
+                "registered_at_ms": tool.registered_at_ms,
+            });
+            if json {
+                println!("{line}");
+            } else {
+                for (k, v) in line.as_object().into_iter().flatten() {
+                    println!(
+                        "{k:<22} {}",
                         v.as_str().map_or_else(|| v.to_string(), str::to_owned)
                     );
                 }
