@@ -2,9 +2,12 @@
 //! nothing; when space returns, the server recovers without a restart and everything
 //! acknowledged before is intact. Runs the real `fenced` on a small tmpfs (needs root, as CI is).
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::Write;
+use std::process::Command;
 
+mod common;
+
+use common::fenced::Fenced;
 use fence_proto::v1 as pb;
 use fence_proto::v1::decision::Outcome as O;
 use fence_proto::v1::fence_client::FenceClient;
@@ -57,33 +60,17 @@ fn begin(step: &str) -> pb::BeginRequest {
 }
 
 /// Starts `fenced` on `data`; returns it and a client.
-async fn start_fenced(
-    data: &std::path::Path,
-) -> (std::process::Child, FenceClient<tonic::transport::Channel>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
-        .args(["--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = format!(
-        "http://{}",
-        line.trim().trim_start_matches("fenced listening on ")
-    );
-    (child, FenceClient::connect(url).await.unwrap())
+async fn start_fenced(data: &std::path::Path) -> (Fenced, FenceClient<tonic::transport::Channel>) {
+    let fenced = Fenced::start(data, &[]);
+    let client = FenceClient::connect(fenced.url()).await.unwrap();
+    (fenced, client)
 }
 
 #[tokio::test]
 async fn a_full_disk_is_unavailable_and_recovers_when_space_returns() {
     let fs = Tmpfs::mount("48m");
     let data = fs.0.join("data");
-    let (mut child, mut c) = start_fenced(&data).await;
+    let (_fenced, mut c) = start_fenced(&data).await;
 
     let O::Execute(before) = c
         .begin(begin("before"))
@@ -134,6 +121,4 @@ async fn a_full_disk_is_unavailable_and_recovers_when_space_returns() {
         .unwrap()
         .into_inner();
     assert_eq!(q.receipt.unwrap().effect_id, before.effect_id);
-    child.kill().unwrap();
-    child.wait().unwrap();
 }

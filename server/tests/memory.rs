@@ -4,10 +4,11 @@
 //! releases what it held when the connection goes (a second such connection reuses it rather
 //! than adding to it). Runs the real `fenced`; the client speaks raw HTTP/2.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod common;
+
 use std::time::Duration;
 
+use common::fenced::Fenced;
 use fence_proto::v1 as pb;
 use fence_proto::v1::decision::Outcome as O;
 use fence_proto::v1::fence_client::FenceClient;
@@ -92,28 +93,8 @@ fn trace_peaks(baseline: u64, peaks: &[u64]) {
 #[tokio::test]
 async fn unread_responses_are_bounded_and_reused_across_connections() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--max-streams-per-connection",
-            "16",
-        ])
-        .arg("--data-dir")
-        .arg(dir.path())
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .trim_start_matches("fenced listening on ")
-        .to_owned();
+    let fenced = Fenced::start(dir.path(), &["--max-streams-per-connection", "16"]);
+    let addr = fenced.addr.clone();
     let mut c = FenceClient::connect(format!("http://{addr}"))
         .await
         .unwrap();
@@ -144,7 +125,7 @@ async fn unread_responses_are_bounded_and_reused_across_connections() {
         .await
         .unwrap();
     }
-    let pid = child.id();
+    let pid = fenced.child.id();
     let baseline = rss_mib(pid);
 
     // Three rounds of the hostile client, each disconnecting at the end: what one round made
@@ -181,6 +162,4 @@ async fn unread_responses_are_bounded_and_reused_across_connections() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     trace_peaks(baseline, &peaks);
-    child.kill().unwrap();
-    child.wait().unwrap();
 }

@@ -1,9 +1,9 @@
 //! Prometheus metrics: `fenced --metrics-listen` serves them, and the counters move with real
 //! calls (decisions by kind and reason, RPCs by method and code, group commits).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod common;
 
+use common::fenced::Fenced;
 use fence_proto::v1 as pb;
 use fence_proto::v1::decision::Outcome as O;
 use fence_proto::v1::fence_client::FenceClient;
@@ -47,28 +47,9 @@ fn call(step: &str, amount: u32) -> pb::BeginRequest {
 #[tokio::test]
 async fn counters_move_with_real_calls() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--data-dir",
-        ])
-        .arg(dir.path())
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let grpc = lines.next().unwrap().unwrap();
-    let grpc = grpc.trim_start_matches("fenced listening on ").to_owned();
-    let metrics = lines.next().unwrap().unwrap();
-    let metrics = metrics.trim_start_matches("fenced metrics on ").to_owned();
-    let mut c = FenceClient::connect(format!("http://{grpc}"))
-        .await
-        .unwrap();
+    let mut fenced = Fenced::start(dir.path(), &["--metrics-listen", "127.0.0.1:0"]);
+    let metrics = fenced.metrics_addr();
+    let mut c = FenceClient::connect(fenced.url()).await.unwrap();
 
     let begun = c.begin(call("a", 1)).await.unwrap().into_inner();
     let Some(O::Execute(ex)) = begun.decision.and_then(|d| d.outcome) else {
@@ -149,8 +130,6 @@ async fn counters_move_with_real_calls() {
     assert!(!body.contains("\"r\""), "{body}");
     let (status, _) = get(&metrics, "/other").await;
     assert!(status.contains("404"), "{status}");
-    child.kill().unwrap();
-    child.wait().unwrap();
 }
 
 /// A launcher that reads only the address line and closes stdout does not take the server
@@ -158,35 +137,10 @@ async fn counters_move_with_real_calls() {
 #[tokio::test]
 async fn a_launcher_reading_only_the_first_line_does_not_stop_the_server() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--data-dir",
-        ])
-        .arg(dir.path())
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let grpc = {
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        line.trim()
-            .trim_start_matches("fenced listening on ")
-            .to_owned()
-    };
+    let mut fenced = Fenced::start(dir.path(), &["--metrics-listen", "127.0.0.1:0"]);
+    fenced.close_stdout();
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let mut c = FenceClient::connect(format!("http://{grpc}"))
-        .await
-        .unwrap();
+    let mut c = FenceClient::connect(fenced.url()).await.unwrap();
     c.begin(call("a", 1)).await.unwrap();
-    assert!(child.try_wait().unwrap().is_none(), "fenced exited");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    assert!(fenced.child.try_wait().unwrap().is_none(), "fenced exited");
 }

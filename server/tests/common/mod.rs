@@ -1,6 +1,8 @@
 //! Shared harness for the ledger tests: a real RocksDB ledger in a temp dir with a manual clock.
 #![allow(dead_code)]
 
+pub mod fenced;
+
 use std::sync::Arc;
 
 use fence_server::clock::ManualClock;
