@@ -623,15 +623,7 @@ pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Du
     };
     let ledger = fence_server::server::open_ledger_with(&config, Arc::new(SystemClock), &store)
         .context("open the ledger")?;
-    ledger.register_tool(
-        TENANT,
-        ToolDef {
-            name: TOOL.into(),
-            class: OpClass::NonRetryable.code(),
-            volatile_fields: vec!["ref".into(), "ts".into()],
-            ..Default::default()
-        },
-    )?;
+    register_load_tool(&ledger)?;
     let next = AtomicU64::new(from);
     let started = Instant::now();
     let progress = AtomicU64::new(0);
@@ -648,25 +640,7 @@ pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Du
                     }
                     let run_id = format!("preload-{:09}", base / 1000);
                     for n in base..(base + 1000).min(to) {
-                        let cmd = BeginCmd {
-                            run_id: run_id.clone(),
-                            tool: TOOL.into(),
-                            step_key: format!("s{n}"),
-                            arguments_json: arguments(t as u64, n),
-                            ..Default::default()
-                        };
-                        let Decision::Execute { receipt, .. } =
-                            ledger.begin(TENANT, &cmd)?.decision
-                        else {
-                            bail!("preload: expected a grant for effect {n}");
-                        };
-                        ledger.complete(
-                            TENANT,
-                            &receipt.id().to_string(),
-                            receipt.attempt,
-                            0,
-                            LedgerOutcome::Completed(format!("tx-{n}").into_bytes()),
-                        )?;
+                        load_effect(ledger, &run_id, t as u64, n)?;
                     }
                     let done = progress.fetch_add(1000, Ordering::Relaxed) + 1000;
                     if done % 500_000 == 0 {
@@ -722,15 +696,7 @@ fn time_effects<S: fence_server::store::Store>(
     warmup: u64,
     effects: u64,
 ) -> Result<Duration> {
-    ledger.register_tool(
-        TENANT,
-        ToolDef {
-            name: TOOL.into(),
-            class: OpClass::NonRetryable.code(),
-            volatile_fields: vec!["ref".into(), "ts".into()],
-            ..Default::default()
-        },
-    )?;
+    register_load_tool(ledger)?;
     effects_from(ledger, 1_000_000, warmup)?;
     let started = Instant::now();
     measured_effects(ledger, effects)?;
@@ -755,23 +721,7 @@ fn effects_from<S: fence_server::store::Store>(
     effects: u64,
 ) -> Result<()> {
     for n in first..first + effects {
-        let cmd = BeginCmd {
-            run_id: format!("cost-{}", n / 100),
-            tool: TOOL.into(),
-            step_key: format!("s{n}"),
-            arguments_json: arguments(0, n),
-            ..Default::default()
-        };
-        let Decision::Execute { receipt, .. } = ledger.begin(TENANT, &cmd)?.decision else {
-            bail!("expected a grant for effect {n}");
-        };
-        ledger.complete(
-            TENANT,
-            &receipt.id().to_string(),
-            receipt.attempt,
-            0,
-            LedgerOutcome::Completed(format!("tx-{n}").into_bytes()),
-        )?;
+        load_effect(ledger, &format!("cost-{}", n / 100), 0, n)?;
     }
     Ok(())
 }
@@ -825,6 +775,49 @@ pub fn process_cpu(pid: u32) -> Result<CpuTime> {
         user: ticks(11)?,
         system: ticks(12)?,
     })
+}
+
+/// Registers the load tool on an in-process ledger.
+fn register_load_tool<S: fence_server::store::Store>(
+    ledger: &fence_server::ledger::Ledger<S>,
+) -> Result<()> {
+    ledger.register_tool(
+        TENANT,
+        ToolDef {
+            name: TOOL.into(),
+            class: OpClass::NonRetryable.code(),
+            volatile_fields: vec!["ref".into(), "ts".into()],
+            ..Default::default()
+        },
+    )?;
+    Ok(())
+}
+
+/// Effect `n` of `worker` on `run_id` through an in-process ledger: granted, then completed.
+fn load_effect<S: fence_server::store::Store>(
+    ledger: &fence_server::ledger::Ledger<S>,
+    run_id: &str,
+    worker: u64,
+    n: u64,
+) -> Result<()> {
+    let cmd = BeginCmd {
+        run_id: run_id.to_owned(),
+        tool: TOOL.into(),
+        step_key: format!("s{n}"),
+        arguments_json: arguments(worker, n),
+        ..Default::default()
+    };
+    let Decision::Execute { receipt, .. } = ledger.begin(TENANT, &cmd)?.decision else {
+        bail!("expected a grant for effect {n}");
+    };
+    ledger.complete(
+        TENANT,
+        &receipt.id().to_string(),
+        receipt.attempt,
+        0,
+        LedgerOutcome::Completed(format!("tx-{n}").into_bytes()),
+    )?;
+    Ok(())
 }
 
 /// Bytes under `path` (recursively).
