@@ -680,6 +680,45 @@ impl FenceClient {
         required(response.tool, "tool")?.try_into()
     }
 
+    /// One page of the registered tools, each at its current version (`page_size` 0 = the
+    /// server default). Returns the tools and the next page's token (`None` at the end).
+    pub async fn list_tools_page(
+        &self,
+        page_token: Option<&str>,
+        page_size: u32,
+    ) -> Result<(Vec<RegisteredTool>, Option<String>), Error> {
+        let request = pb::ListToolsRequest {
+            page_size,
+            page_token: page_token.unwrap_or_default().to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.list_tools(r).await })
+            .await?;
+        let tools = response
+            .tools
+            .into_iter()
+            .map(RegisteredTool::try_from)
+            .collect::<Result<_, _>>()?;
+        Ok((tools, crate::types::non_empty(response.next_page_token)))
+    }
+
+    /// Every registered tool at its current version (all pages), in the server's stable
+    /// order (not alphabetical).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// for tool in client.list_tools().await? {
+    ///     println!("{} v{} {}", tool.def.name, tool.version, tool.def.class);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn list_tools(&self) -> Result<Vec<RegisteredTool>, Error> {
+        all_pages("ListTools", |token| async move {
+            self.list_tools_page(token.as_deref(), 0).await
+        })
+        .await
+    }
+
     /// Creates a run if it does not exist (idempotent). See also [`crate::RunHandle::start`].
     ///
     /// ```no_run
@@ -717,6 +756,46 @@ impl FenceClient {
             .unary(request, |mut s, r| async move { s.get_run(r).await })
             .await?;
         Ok(required(response.run, "run")?.into())
+    }
+
+    /// One page of the caller's runs in run-id order, those whose id starts with
+    /// `run_id_prefix` (`""`: all). Each run has its epoch, branches and effect count but no
+    /// checkpoints or restores ([`get_run`](Self::get_run) has those). Returns the runs and
+    /// the next page's token (`None` at the end).
+    pub async fn list_runs_page(
+        &self,
+        run_id_prefix: &str,
+        page_token: Option<&str>,
+        page_size: u32,
+    ) -> Result<(Vec<RunInfo>, Option<String>), Error> {
+        let request = pb::ListRunsRequest {
+            run_id_prefix: run_id_prefix.to_owned(),
+            page_size,
+            page_token: page_token.unwrap_or_default().to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move { s.list_runs(r).await })
+            .await?;
+        let runs = response.runs.into_iter().map(RunInfo::from).collect();
+        Ok((runs, crate::types::non_empty(response.next_page_token)))
+    }
+
+    /// Every run of the caller whose id starts with `run_id_prefix` (all pages), in run-id
+    /// order; see [`list_runs_page`](Self::list_runs_page).
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// for run in client.list_runs("order-").await? {
+    ///     println!("{} epoch {} ({} effects)", run.run_id, run.epoch, run.effect_count);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn list_runs(&self, run_id_prefix: &str) -> Result<Vec<RunInfo>, Error> {
+        all_pages("ListRuns", |token| async move {
+            self.list_runs_page(run_id_prefix, token.as_deref(), 0)
+                .await
+        })
+        .await
     }
 
     /// Records a named checkpoint (the framework's own checkpoint id) at the current end of a
@@ -1110,21 +1189,10 @@ impl FenceClient {
     /// # Ok(()) }
     /// ```
     pub async fn list_effects(&self, filter: &EffectFilter) -> Result<Vec<Receipt>, Error> {
-        let mut all = Vec::new();
-        let mut token: Option<String> = None;
-        loop {
-            let (page, next) = self.list_effects_page(filter, token.as_deref(), 0).await?;
-            all.extend(page);
-            match next {
-                Some(next) if Some(&next) != token.as_ref() => token = Some(next),
-                Some(_) => {
-                    return Err(Error::protocol(
-                        "ListEffects returned the same page token twice",
-                    ));
-                }
-                None => return Ok(all),
-            }
-        }
+        all_pages("ListEffects", |token| async move {
+            self.list_effects_page(filter, token.as_deref(), 0).await
+        })
+        .await
     }
 
     /// Registers a one-time (or n-time) credential. An existing one is returned unchanged.
@@ -1205,6 +1273,30 @@ fn batch_results<R, T>(
             }))
         })
         .collect()
+}
+
+/// Follows a listing's page tokens to the end and returns every item, refusing a server that
+/// hands out the same token twice (which would loop forever).
+async fn all_pages<T, F, Fut>(rpc: &str, mut page: F) -> Result<Vec<T>, Error>
+where
+    F: FnMut(Option<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<(Vec<T>, Option<String>), Error>>,
+{
+    let mut all = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let (items, next) = page(token.clone()).await?;
+        all.extend(items);
+        match next {
+            Some(next) if Some(&next) != token.as_ref() => token = Some(next),
+            Some(_) => {
+                return Err(Error::protocol(format!(
+                    "{rpc} returned the same page token twice"
+                )));
+            }
+            None => return Ok(all),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -220,3 +220,157 @@ async fn exit_codes_say_what_went_wrong() {
     .await;
     assert_eq!(none.status.code(), Some(4), "{none:?}");
 }
+
+#[tokio::test]
+async fn runs_are_listed_by_prefix_and_tenant() {
+    let srv = TestServer::start().await;
+    let url = srv.url();
+    let c = srv.client().await;
+    for run in ["order-2", "order-1", "order-3", "refund-1"] {
+        c.start_run(run).await.unwrap();
+    }
+    // order-2 restored to a checkpoint before its one effect: one replay pending.
+    let pay = EffectCall::new("order-2", "bank.transfer", r#"{"to":"ann","amount":1}"#);
+    c.checkpoint("order-2", "main", 1, "start").await.unwrap();
+    let Decision::Execute(grant) = c.begin(&pay).await.unwrap().decision else {
+        panic!("expected a grant")
+    };
+    c.complete(
+        &grant.effect_id,
+        grant.attempt,
+        0,
+        Completion::Result(b"tx-1".to_vec()),
+    )
+    .await
+    .unwrap();
+    c.restore("order-2", "start", None).await.unwrap();
+    // Another tenant's run is not listed.
+    let other = common::builder(&url)
+        .tenant("other")
+        .connect()
+        .await
+        .unwrap();
+    other.start_run("order-9").await.unwrap();
+
+    let listed = fence(&[
+        "--url", &url, "runs", "list", "--prefix", "order-", "--json",
+    ])
+    .await;
+    assert!(listed.status.success(), "{listed:?}");
+    let runs: Vec<serde_json::Value> = stdout(&listed)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ids: Vec<&str> = runs.iter().map(|r| r["run_id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["order-1", "order-2", "order-3"]);
+    assert_eq!(runs[1]["epoch"], 2);
+    assert_eq!(runs[1]["effect_count"], 1);
+    assert_eq!(runs[1]["branches"][0]["pending_replays"], 1);
+    assert!(runs[1].get("checkpoints").is_none(), "{}", runs[1]);
+
+    let table = fence(&["--url", &url, "runs", "list"]).await;
+    let table = stdout(&table);
+    assert_eq!(table.lines().count(), 5, "{table}");
+    assert!(
+        table.contains("refund-1") && !table.contains("order-9"),
+        "{table}"
+    );
+    let theirs = fence(&["--url", &url, "--tenant", "other", "runs", "list"]).await;
+    let theirs = stdout(&theirs);
+    assert!(
+        theirs.contains("order-9") && !theirs.contains("order-1"),
+        "{theirs}"
+    );
+
+    // Pages follow on from each other: two runs a page, nothing twice, nothing missed.
+    let (first, next) = c.list_runs_page("", None, 2).await.unwrap();
+    let (second, last) = c.list_runs_page("", next.as_deref(), 2).await.unwrap();
+    let ids: Vec<String> = first
+        .iter()
+        .chain(&second)
+        .map(|r| r.run_id.clone())
+        .collect();
+    assert_eq!(ids, ["order-1", "order-2", "order-3", "refund-1"]);
+    assert_eq!(last, None);
+    // A token the server did not issue is a usage error of the request, not a crash.
+    let bad = c.list_runs_page("", Some("zz"), 2).await.unwrap_err();
+    assert_eq!(bad.code(), Some(tonic::Code::InvalidArgument), "{bad:?}");
+}
+
+#[tokio::test]
+async fn tools_are_registered_from_a_file_and_listed() {
+    let srv = TestServer::start().await;
+    let url = srv.url();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tools.json");
+    std::fs::write(
+        &file,
+        r#"[
+          {"name": "payments.charge", "class": "non_retryable", "volatile_fields": ["request_id"]},
+          {"name": "search", "class": "SAFE_RETRY", "normalized_fields": ["query"],
+           "string_normalization": "trim_lowercase", "retention_ms": 60000}
+        ]"#,
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    let registered = fence(&["--url", &url, "tools", "register", file]).await;
+    assert!(registered.status.success(), "{registered:?}");
+    assert_eq!(
+        stdout(&registered),
+        "payments.charge v1 registered\nsearch v1 registered\n"
+    );
+    let again = fence(&["--url", &url, "tools", "register", file]).await;
+    assert_eq!(
+        stdout(&again),
+        "payments.charge v1 unchanged\nsearch v1 unchanged\n"
+    );
+
+    // What `tools show --json` prints registers as is, and is the same definition.
+    let shown = fence(&["--url", &url, "tools", "show", "search", "--json"]).await;
+    let shown_file = dir.path().join("search.json");
+    std::fs::write(&shown_file, stdout(&shown)).unwrap();
+    let round_trip = fence(&[
+        "--url",
+        &url,
+        "tools",
+        "register",
+        shown_file.to_str().unwrap(),
+    ])
+    .await;
+    assert_eq!(stdout(&round_trip), "search v1 unchanged\n");
+
+    let listed = fence(&["--url", &url, "tools", "list", "--json"]).await;
+    let tools: Vec<serde_json::Value> = stdout(&listed)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(tools.len(), 2, "{tools:?}");
+    assert_eq!(tools[0]["name"], "payments.charge");
+    assert_eq!(tools[0]["class"], "NON_RETRYABLE");
+    assert_eq!(tools[1]["name"], "search");
+    assert_eq!(tools[1]["string_normalization"], "trim_lowercase");
+    assert_eq!(tools[1]["retention_ms"], 60000);
+    let table = fence(&["--url", &url, "tools", "list"]).await;
+    assert!(stdout(&table).contains("request_id"), "{}", stdout(&table));
+
+    // A misspelt field or a bad class is a usage error, and nothing in the file is registered.
+    for bad in [
+        r#"[{"name": "refund", "class": "NON_RETRYABLE"}, {"name": "x", "class": "SAFE_RETRY", "volatile": ["a"]}]"#,
+        r#"{"name": "refund", "class": "ONCE"}"#,
+        r#"{"name": "refund", "class": "NON_RETRYABLE", "lease_ms": -1}"#,
+        "not json",
+    ] {
+        std::fs::write(dir.path().join("bad.json"), bad).unwrap();
+        let out = fence(&[
+            "--url",
+            &url,
+            "tools",
+            "register",
+            dir.path().join("bad.json").to_str().unwrap(),
+        ])
+        .await;
+        assert_eq!(out.status.code(), Some(2), "{bad}: {out:?}");
+    }
+    let c = srv.client().await;
+    assert_eq!(c.list_tools().await.unwrap().len(), 2);
+}

@@ -67,7 +67,7 @@ fuzz_target!(|data: &[u8]| {
             let (body, next) = tail.split_at(usize::from(*len).min(tail.len()));
             rest = next;
             let s = &service;
-            match method % 17 {
+            match method % 19 {
                 0 => check(0, call(body, |r| s.register_tool(r)).await),
                 1 => check(1, call(body, |r| s.get_tool(r)).await),
                 2 => check(2, call(body, |r| s.start_run(r)).await),
@@ -84,7 +84,9 @@ fuzz_target!(|data: &[u8]| {
                 13 => check(13, call(body, |r| s.query_outcome(r)).await),
                 14 => check(14, call(body, |r| s.list_effects(r)).await),
                 15 => check(15, call(body, |r| s.register_credential(r)).await),
-                _ => check(16, call(body, |r| s.get_credential(r)).await),
+                16 => check(16, call(body, |r| s.get_credential(r)).await),
+                17 => check(17, call(body, |r| s.list_runs(r)).await),
+                _ => check(18, call(body, |r| s.list_tools(r)).await),
             }
         }
     });

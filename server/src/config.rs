@@ -94,8 +94,9 @@ pub struct Config {
     #[arg(long, env = "FENCE_MAX_STREAMS_PER_CONNECTION", default_value_t = 64)]
     pub max_streams_per_connection: u32,
 
-    /// Bytes of stored records one ListEffects page holds at most; a page ends before it
-    /// would pass them (one record always fits, so a page may hold one larger record).
+    /// Bytes of stored records one listing page (ListEffects, ListRuns, ListTools) holds at
+    /// most; a page ends before it would pass them (one record always fits, so a page may hold
+    /// one larger record).
     #[arg(long, env = "FENCE_MAX_PAGE_BYTES", default_value_t = 1 << 20)]
     pub max_page_bytes: usize,
 

@@ -192,6 +192,20 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         .await
     }
 
+    async fn list_tools(
+        &self,
+        req: Request<pb::ListToolsRequest>,
+    ) -> Result<Response<pb::ListToolsResponse>, Status> {
+        self.run("ListTools", req, |l, t, r| {
+            let (tools, next_page_token) = l.list_tools(t, r.page_size, &r.page_token)?;
+            Ok(pb::ListToolsResponse {
+                tools: tools.iter().map(convert::tool_spec).collect(),
+                next_page_token,
+            })
+        })
+        .await
+    }
+
     async fn start_run(
         &self,
         req: Request<pb::StartRunRequest>,
@@ -214,6 +228,21 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             let view = l.get_run(t, &r.run_id)?;
             Ok(pb::GetRunResponse {
                 run: Some(convert::run_info(&view)),
+            })
+        })
+        .await
+    }
+
+    async fn list_runs(
+        &self,
+        req: Request<pb::ListRunsRequest>,
+    ) -> Result<Response<pb::ListRunsResponse>, Status> {
+        self.run("ListRuns", req, |l, t, r| {
+            let (runs, next_page_token) =
+                l.list_runs(t, &r.run_id_prefix, r.page_size, &r.page_token)?;
+            Ok(pb::ListRunsResponse {
+                runs: runs.iter().map(convert::run_info).collect(),
+                next_page_token,
             })
         })
         .await

@@ -116,3 +116,58 @@ fn a_data_dir_in_a_newer_format_is_refused_naming_what_to_run() {
     );
     assert!(message.contains("fenced 9.9.9"), "{message}");
 }
+
+#[test]
+fn a_format_2_data_dir_gets_its_runs_indexed_and_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    // More runs than the migration indexes in one batch, in two tenants.
+    let ids: Vec<String> = (0..1100).map(|i| format!("run-{i:05}")).collect();
+    {
+        let ledger = open(dir.path()).unwrap();
+        ledger
+            .store()
+            .deferred(&mut || {
+                for (i, id) in ids.iter().enumerate() {
+                    let tenant = if i % 2 == 0 { "a" } else { "b" };
+                    ledger.start_run(tenant, id).unwrap();
+                }
+            })
+            .unwrap();
+        // As format 2 wrote it: no run index.
+        let mut batch = Batch::new();
+        for (i, id) in ids.iter().enumerate() {
+            let tenant = if i % 2 == 0 { "a" } else { "b" };
+            batch.delete(keys::tenant_run(&keys::tenant_key(tenant), id));
+        }
+        batch.put(
+            keys::meta(),
+            codec::encode(&FormatRecord {
+                version: 2,
+                written_by: "0.1.0".into(),
+            }),
+        );
+        ledger.store().write(batch).unwrap();
+        assert!(ledger.list_runs("a", "", 0, "").unwrap().0.is_empty());
+    }
+    let ledger = open(dir.path()).unwrap();
+    assert_eq!(format_of(&ledger), Some(FORMAT_VERSION));
+    for (tenant, parity) in [("a", 0), ("b", 1)] {
+        let mut listed = Vec::new();
+        let mut token = String::new();
+        loop {
+            let (page, next) = ledger.list_runs(tenant, "", 1000, &token).unwrap();
+            listed.extend(page.into_iter().map(|v| v.run.run_id));
+            if next.is_empty() {
+                break;
+            }
+            token = next;
+        }
+        let expected: Vec<String> = ids
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == parity)
+            .map(|(_, id)| id.clone())
+            .collect();
+        assert_eq!(listed, expected, "tenant {tenant}");
+    }
+}

@@ -3,11 +3,14 @@
 //!
 //! ```text
 //! fence health
+//! fence runs list [--prefix P] [--json]
 //! fence run show RUN [--json]
 //! fence effects list RUN [--branch B] [--state effect_unknown] [--json]
 //! fence effect show EFFECT_ID [--json]
 //! fence export RUN   # the run's audit trail: every effect on every branch, one JSON per line
+//! fence tools list [--json]
 //! fence tools show NAME [--version N] [--json]
+//! fence tools register FILE   # a JSON tool definition, or an array of them ("-": stdin)
 //! fence reconcile EFFECT_ID (--failed-before-input | --completed RESULT) --evidence TEXT
 //! ```
 //!
@@ -18,7 +21,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use fence_client::{EffectFilter, EffectState, Error, FenceClient, Finding, Receipt};
+use fence_client::{
+    EffectFilter, EffectState, Error, FenceClient, Finding, OperationClass, Receipt,
+    RegisteredTool, StringNormalization, ToolDef,
+};
 use tonic::transport::{Certificate, ClientTlsConfig};
 
 /// Inspect and settle what a Fence server recorded.
@@ -50,6 +56,11 @@ struct Args {
 enum Command {
     /// Is the server up and serving? (exit 0 if so, 3 if not)
     Health,
+    /// The tenant's runs.
+    Runs {
+        #[command(subcommand)]
+        command: RunsCommand,
+    },
     /// A run: epoch, branches, checkpoints, pending replays, restores.
     Run {
         #[command(subcommand)]
@@ -97,6 +108,19 @@ enum Command {
 }
 
 #[derive(Debug, Subcommand)]
+enum RunsCommand {
+    /// List runs in run-id order: epoch, effects, branches, pending replays.
+    List {
+        /// Only runs whose id starts with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// One JSON object per run, one per line, instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum RunCommand {
     /// Show a run.
     Show {
@@ -110,6 +134,21 @@ enum RunCommand {
 
 #[derive(Debug, Subcommand)]
 enum ToolsCommand {
+    /// List the registered tools (current versions), by name.
+    List {
+        /// One JSON object per tool, one per line (as `tools show --json` prints it).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Register tools from a JSON file: one definition or an array of them, each as
+    /// `tools show --json` prints it: {"name", "class" (e.g. "NON_RETRYABLE"),
+    /// "volatile_fields", "normalized_fields", "string_normalization" ("exact", "trim",
+    /// "trim_lowercase"), "retention_ms", "lease_ms"}; only "name" and "class" are required.
+    /// An unchanged definition keeps its version.
+    Register {
+        /// The file ("-" reads standard input).
+        file: std::path::PathBuf,
+    },
     /// Show a tool's registration: class, intent schema, retention, lease.
     Show {
         /// The tool's name.
@@ -271,6 +310,69 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Runs {
+            command: RunsCommand::List { prefix, json },
+        } => {
+            let runs = client.list_runs(&prefix).await?;
+            if json {
+                for run in &runs {
+                    println!("{}", run_summary_json(run));
+                }
+            } else {
+                print_runs(&runs);
+            }
+            Ok(())
+        }
+        Command::Tools {
+            command: ToolsCommand::List { json },
+        } => {
+            let mut tools = client.list_tools().await?;
+            tools.sort_by(|a, b| a.def.name.cmp(&b.def.name));
+            if json {
+                for tool in &tools {
+                    println!("{}", tool_json(tool));
+                }
+            } else {
+                println!(
+                    "{:<32} {:>7} {:<22} {:<13} VOLATILE FIELDS",
+                    "TOOL", "VERSION", "CLASS", "RETENTION MS"
+                );
+                for t in &tools {
+                    println!(
+                        "{:<32} {:>7} {:<22} {:<13} {}",
+                        t.def.name,
+                        t.version,
+                        t.def.class.as_str_name(),
+                        t.def.retention_ms,
+                        t.def.intent_schema.volatile_fields.join(",")
+                    );
+                }
+            }
+            Ok(())
+        }
+        Command::Tools {
+            command: ToolsCommand::Register { file },
+        } => {
+            let text = if file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin())
+            } else {
+                std::fs::read_to_string(&file)
+            }
+            .map_err(|e| usage(format!("cannot read {}: {e}", file.display())))?;
+            let defs =
+                tool_defs(&text).map_err(|why| usage(format!("{}: {why}", file.display())))?;
+            for def in defs {
+                let name = def.name.clone();
+                let stored = client.register_tool(def).await?;
+                let what = if stored.created {
+                    "registered"
+                } else {
+                    "unchanged"
+                };
+                println!("{name} v{} {what}", stored.value.version);
+            }
+            Ok(())
+        }
         Command::Run {
             command: RunCommand::Show { run_id, json },
         } => {
@@ -315,17 +417,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 },
         } => {
             let tool = client.get_tool(&name, version).await?;
-            let line = serde_json::json!({
-                "name": tool.def.name,
-                "version": tool.version,
-                "class": tool.def.class.as_str_name(),
-                "volatile_fields": tool.def.intent_schema.volatile_fields,
-                "normalized_fields": tool.def.intent_schema.normalized_fields,
-                "string_normalization": format!("{:?}", tool.def.intent_schema.string_normalization),
-                "retention_ms": tool.def.retention_ms,
-                "lease_ms": tool.def.lease_ms,
-                "registered_at_ms": tool.registered_at_ms,
-            });
+            let line = tool_json(&tool);
             if json {
                 println!("{line}");
             } else {
@@ -433,6 +525,147 @@ fn print_run(run: &fence_client::RunInfo) {
             );
         }
     }
+}
+
+fn print_runs(runs: &[fence_client::RunInfo]) {
+    println!(
+        "{:<40} {:>6} {:>8} {:>8} {:>16} {:>15}",
+        "RUN", "EPOCH", "EFFECTS", "BRANCHES", "PENDING REPLAYS", "PENDING CARRIED"
+    );
+    for run in runs {
+        println!(
+            "{:<40} {:>6} {:>8} {:>8} {:>16} {:>15}",
+            run.run_id,
+            run.epoch,
+            run.effect_count,
+            run.branches.len(),
+            run.branches.iter().map(|b| b.pending_replays).sum::<u64>(),
+            run.branches.iter().map(|b| b.pending_carried).sum::<u64>(),
+        );
+    }
+}
+
+/// The string-normalisation names the tool JSON uses.
+const NORMALIZATIONS: [(&str, StringNormalization); 3] = [
+    ("exact", StringNormalization::Exact),
+    ("trim", StringNormalization::Trim),
+    ("trim_lowercase", StringNormalization::TrimLowercase),
+];
+
+fn tool_json(tool: &RegisteredTool) -> serde_json::Value {
+    let schema = &tool.def.intent_schema;
+    let normalization = NORMALIZATIONS
+        .iter()
+        .find(|(_, n)| *n == schema.string_normalization)
+        .map_or("exact", |(name, _)| name);
+    serde_json::json!({
+        "name": tool.def.name,
+        "version": tool.version,
+        "class": tool.def.class.as_str_name(),
+        "volatile_fields": schema.volatile_fields,
+        "normalized_fields": schema.normalized_fields,
+        "string_normalization": normalization,
+        "retention_ms": tool.def.retention_ms,
+        "lease_ms": tool.def.lease_ms,
+        "registered_at_ms": tool.registered_at_ms,
+    })
+}
+
+/// Tool definitions from the JSON `tools register` reads (see its help). The fields `tools
+/// show --json` adds (`version`, `registered_at_ms`) are accepted and ignored, so its output
+/// registers as is; any other field is refused, so a misspelt one cannot go unnoticed.
+fn tool_defs(text: &str) -> Result<Vec<ToolDef>, String> {
+    use serde_json::Value;
+    let value: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let items = match value {
+        Value::Array(items) => items,
+        one => vec![one],
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let Value::Object(fields) = item else {
+                return Err(format!("definition {i} is not a JSON object"));
+            };
+            let text = |key: &str| -> Result<Option<String>, String> {
+                match fields.get(key) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(Value::String(s)) => Ok(Some(s.clone())),
+                    Some(other) => Err(format!("definition {i}: {key} must be a string, not {other}")),
+                }
+            };
+            let list = |key: &str| -> Result<Vec<String>, String> {
+                match fields.get(key) {
+                    None | Some(Value::Null) => Ok(Vec::new()),
+                    Some(Value::Array(items)) => items
+                        .iter()
+                        .map(|v| {
+                            v.as_str().map(str::to_owned).ok_or_else(|| {
+                                format!("definition {i}: {key} must hold strings, not {v}")
+                            })
+                        })
+                        .collect(),
+                    Some(other) => Err(format!("definition {i}: {key} must be a list, not {other}")),
+                }
+            };
+            let millis = |key: &str| -> Result<u64, String> {
+                match fields.get(key) {
+                    None | Some(Value::Null) => Ok(0),
+                    Some(v) => v.as_u64().ok_or_else(|| {
+                        format!("definition {i}: {key} must be a whole number of milliseconds, not {v}")
+                    }),
+                }
+            };
+            const KNOWN: [&str; 9] = [
+                "name", "class", "volatile_fields", "normalized_fields", "string_normalization",
+                "retention_ms", "lease_ms", "version", "registered_at_ms",
+            ];
+            if let Some(unknown) = fields.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+                return Err(format!(
+                    "definition {i}: unknown field {unknown:?} (known: {})",
+                    KNOWN.join(", ")
+                ));
+            }
+            let name = text("name")?.ok_or_else(|| format!("definition {i} has no name"))?;
+            let class_name = text("class")?.ok_or_else(|| format!("tool {name:?} has no class"))?;
+            let class = OperationClass::from_str_name(&class_name.to_uppercase())
+                .ok_or_else(|| {
+                    format!(
+                        "tool {name:?}: class {class_name:?} is not one of SAFE_RETRY, DEDUPLICATE, REQUIRES_EFFECT_CHECK, NON_RETRYABLE"
+                    )
+                })?;
+            let normalization = match text("string_normalization")? {
+                None => StringNormalization::Exact,
+                Some(n) => NORMALIZATIONS
+                    .iter()
+                    .find(|(name, _)| name.eq_ignore_ascii_case(&n))
+                    .map(|(_, v)| *v)
+                    .ok_or_else(|| {
+                        format!(
+                            "tool {name:?}: string_normalization {n:?} is not one of exact, trim, trim_lowercase"
+                        )
+                    })?,
+            };
+            let mut def = ToolDef::new(name, class);
+            def.intent_schema.volatile_fields = list("volatile_fields")?;
+            def.intent_schema.normalized_fields = list("normalized_fields")?;
+            def.intent_schema.string_normalization = normalization;
+            def.retention_ms = millis("retention_ms")?;
+            def.lease_ms = millis("lease_ms")?;
+            Ok(def)
+        })
+        .collect()
+}
+
+fn run_summary_json(run: &fence_client::RunInfo) -> serde_json::Value {
+    let mut line = run_json(run);
+    if let Some(fields) = line.as_object_mut() {
+        // A listing does not carry them (GetRun does): leave them out rather than show none.
+        fields.remove("checkpoints");
+        fields.remove("restores");
+    }
+    line
 }
 
 fn run_json(run: &fence_client::RunInfo) -> serde_json::Value {

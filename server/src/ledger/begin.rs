@@ -56,6 +56,8 @@ struct Call<'a> {
     cmd: &'a BeginCmd,
     rk: RunKey,
     run: RunRecord,
+    /// The run is created by this call (its record is not stored yet).
+    new: bool,
     branch: u32,
     tool: std::sync::Arc<Tool>,
     /// The call's fingerprints by tool version (those its run holds effects of, and the
@@ -181,10 +183,10 @@ impl<S: Store> Ledger<S> {
 
         let _run_guard = self.runs.lock(&rk);
         let now = self.now();
-        let run = match self.load_run(&rk, tenant, &cmd.run_id)? {
-            Some(run) => run,
+        let (run, new) = match self.load_run(&rk, tenant, &cmd.run_id)? {
+            Some(run) => (run, false),
             None if cmd.epoch <= 1 && (cmd.branch.is_empty() || cmd.branch == MAIN_BRANCH) => {
-                new_run(tenant, &cmd.run_id, now)
+                (new_run(tenant, &cmd.run_id, now), true)
             }
             None => {
                 return Ok(Refusal::new(
@@ -221,6 +223,7 @@ impl<S: Store> Ledger<S> {
             cmd,
             rk,
             run,
+            new,
             branch,
             request_fp: canonical::request_fingerprint(&cmd.tool, &cmd.arguments_json),
             tool,
@@ -1041,6 +1044,9 @@ impl<S: Store> Ledger<S> {
         self.note_open_step(&mut call, rec.position)?;
         call.run.branches[call.branch as usize].length += 1;
         batch.put(keys::run(&call.rk), codec::encode(&call.run));
+        if call.new {
+            super::runs::index_new_run(&mut batch, call.tenant, &call.cmd.run_id);
+        }
         self.store.write(batch)?;
         Ok(Decision::Execute {
             receipt: Box::new(rec),

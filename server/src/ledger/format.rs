@@ -8,12 +8,15 @@
 //!    and 9). A version-1 run reads with `tracks_tool_versions = false` and is looked up under
 //!    every version of a tool, so the migration from 1 rewrites no record: it records the
 //!    version.
+//! 3. Each tenant's runs are indexed by run id (`keys::tenant_run`, what `ListRuns` reads).
+//!    The migration from 1 or 2 adds the index entry of every stored run.
 
+use super::records::RunRecord;
 use super::{Ledger, LedgerError, Result};
 use crate::store::{Batch, Store, codec, keys};
 
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The store's format record (key [`keys::meta`]).
 #[derive(Clone, PartialEq, prost::Message)]
@@ -67,7 +70,13 @@ impl<S: Store> Ledger<S> {
             None if self.store.scan(&[], &[], 1)?.is_empty() => FormatCheck::Created,
             None => FormatCheck::Migrated { from: 1 },
         };
-        // Migrations from 1 (the only older format) rewrite no record; see the module docs.
+        if let FormatCheck::Migrated { from } = check
+            && from < 3
+        {
+            self.index_every_run()?;
+        }
+        // The version is written last: a migration cut short runs again on the next open
+        // (each of its steps may be repeated).
         let mut batch = Batch::new();
         batch.put(
             key,
@@ -85,5 +94,31 @@ impl<S: Store> Ledger<S> {
             );
         }
         Ok(check)
+    }
+
+    /// Format 3: adds every stored run to its tenant's run index, a chunk of runs per batch.
+    fn index_every_run(&self) -> Result<()> {
+        const CHUNK: usize = 1024;
+        let prefix = keys::run_prefix();
+        let mut from = prefix.clone();
+        loop {
+            let chunk = self.store.scan(&prefix, &from, CHUNK)?;
+            let mut batch = Batch::new();
+            for (k, v) in &chunk {
+                let run: RunRecord = codec::decode(k, v)?;
+                super::runs::index_new_run(&mut batch, &run.tenant, &run.run_id);
+            }
+            if !batch.is_empty() {
+                self.store.write(batch)?;
+            }
+            if chunk.len() < CHUNK {
+                return Ok(());
+            }
+            if let Some((mut last, _)) = chunk.into_iter().next_back() {
+                // The smallest key after it.
+                last.push(0);
+                from = last;
+            }
+        }
     }
 }

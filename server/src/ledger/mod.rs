@@ -197,6 +197,51 @@ impl<S: Store> Ledger<S> {
         self.clock.now_ms()
     }
 
+    /// One page of a listing: the entries under `prefix` from key `from` on, read a few at a
+    /// time (a record may hold megabytes), each turned by `item` into a listed value and its
+    /// size in bytes, or skipped (`None`). A page ends at `page_size` values or before it would
+    /// pass the byte budget (`Limits::max_page_bytes`; it always holds at least one value), so
+    /// one response never buffers much more than the budget for a client that reads it slowly
+    /// or never. Returns the values and the key to resume from (`None`: nothing is left).
+    fn page<T>(
+        &self,
+        prefix: &[u8],
+        mut from: Vec<u8>,
+        page_size: u32,
+        mut item: impl FnMut(&[u8], &[u8]) -> Result<Option<(T, usize)>>,
+    ) -> Result<(Vec<T>, Option<Vec<u8>>)> {
+        const CHUNK: usize = 32;
+        let page_size = match page_size {
+            0 => 100,
+            n => n.min(1000) as usize,
+        };
+        let max_bytes = self.config.limits.max_page_bytes;
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        loop {
+            let chunk = self.store.scan(prefix, &from, CHUNK)?;
+            let exhausted = chunk.len() < CHUNK;
+            for (k, v) in &chunk {
+                let Some((value, size)) = item(k, v)? else {
+                    continue;
+                };
+                if out.len() == page_size || (!out.is_empty() && bytes + size > max_bytes) {
+                    return Ok((out, Some(k.clone())));
+                }
+                bytes += size;
+                out.push(value);
+            }
+            match chunk.into_iter().next_back() {
+                Some((mut last, _)) if !exhausted => {
+                    // The smallest key after `last`.
+                    last.push(0);
+                    from = last;
+                }
+                _ => return Ok((out, None)),
+            }
+        }
+    }
+
     fn get<M: Message + Default>(&self, key: &[u8]) -> Result<Option<M>> {
         match self.store.get(key)? {
             Some(bytes) => Ok(Some(codec::decode(key, &bytes)?)),

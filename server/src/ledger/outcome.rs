@@ -521,11 +521,7 @@ impl<S: Store> Ledger<S> {
         if !q.saga_id.is_empty() {
             self.check_id("saga_id", &q.saga_id)?;
         }
-        let page_size = match q.page_size {
-            0 => 100,
-            n => n.min(1000) as usize,
-        };
-        let mut cursor: u64 = if q.page_token.is_empty() {
+        let cursor: u64 = if q.page_token.is_empty() {
             1
         } else {
             q.page_token.parse().map_err(|_| {
@@ -533,37 +529,20 @@ impl<S: Store> Ledger<S> {
             })?
         };
         let now = self.now();
-        let prefix = keys::effect_prefix(&rk);
-        let max_bytes = self.config.limits.max_page_bytes;
-        let mut out = Vec::new();
-        let mut bytes = 0usize;
-        // Records are read a few at a time: each may hold megabytes of result.
-        const CHUNK: usize = 32;
-        loop {
-            let chunk = self
-                .store
-                .scan(&prefix, &keys::effect(&rk, cursor), CHUNK)?;
-            let exhausted = chunk.len() < CHUNK;
-            for (k, v) in chunk {
-                let rec: EffectRecord = codec::decode(&k, &v)?;
-                cursor = rec.seq + 1;
+        let (out, next) = self.page(
+            &keys::effect_prefix(&rk),
+            keys::effect(&rk, cursor),
+            q.page_size,
+            |k, v| {
+                let rec: EffectRecord = codec::decode(k, v)?;
                 let keep = visible.as_ref().is_none_or(|v| rec.visible_on(v))
                     && (q.saga_id.is_empty() || rec.saga_id == q.saga_id);
-                if keep {
-                    // A page ends at its count or before it would pass its byte budget (it
-                    // always holds at least one effect), so one response never buffers more
-                    // than about `max_page_bytes` for a client that reads it slowly or never.
-                    let size = v.len();
-                    if out.len() == page_size || (!out.is_empty() && bytes + size > max_bytes) {
-                        return Ok((out, rec.seq.to_string()));
-                    }
-                    bytes += size;
-                    out.push(rec.view(now));
-                }
-            }
-            if exhausted {
-                return Ok((out, String::new()));
-            }
-        }
+                Ok(keep.then(|| (rec.view(now), v.len())))
+            },
+        )?;
+        let token = next
+            .and_then(|k| keys::decode_effect(&k))
+            .map_or_else(String::new, |(_, seq)| seq.to_string());
+        Ok((out, token))
     }
 }

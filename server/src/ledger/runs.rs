@@ -22,6 +22,15 @@ use super::{
 use crate::store::keys::{self, RunKey};
 use crate::store::{Batch, Store, codec};
 
+/// Adds a newly created run to its tenant's run index (what `ListRuns` reads): in the batch
+/// that first writes the run record, so a listed run always exists.
+pub(super) fn index_new_run(batch: &mut Batch, tenant: &str, run_id: &str) {
+    batch.put(
+        keys::tenant_run(&keys::tenant_key(tenant), run_id),
+        Vec::new(),
+    );
+}
+
 /// A run with its checkpoints and restore history.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunView {
@@ -96,11 +105,64 @@ impl<S: Store> Ledger<S> {
                 let run = new_run(tenant, run_id, self.now());
                 let mut batch = Batch::new();
                 batch.put(keys::run(&rk), codec::encode(&run));
+                index_new_run(&mut batch, tenant, run_id);
                 self.store.write(batch)?;
                 true
             }
         };
         Ok((self.run_view(&rk, tenant, run_id)?, created))
+    }
+
+    /// A page of the tenant's runs in run-id order (those whose id starts with
+    /// `run_id_prefix`), without their checkpoints and restores, and the next page's token
+    /// (`""`: done). A page holds `page_size` runs (0 = 100, at most 1000) or fewer when the
+    /// byte budget ends it.
+    pub fn list_runs(
+        &self,
+        tenant: &str,
+        run_id_prefix: &str,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<RunView>, String)> {
+        if !run_id_prefix.is_empty() {
+            self.check_id("run_id_prefix", run_id_prefix)?;
+        }
+        let tk = keys::tenant_key(tenant);
+        let from = if page_token.is_empty() {
+            run_id_prefix.to_owned()
+        } else {
+            codec::unhex(page_token)
+                .and_then(|b| String::from_utf8(b).ok())
+                .ok_or_else(|| {
+                    LedgerError::invalid("page_token", "is not a token this server issued")
+                })?
+        };
+        let (runs, next) = self.page(
+            &keys::tenant_run_prefix(&tk, run_id_prefix),
+            keys::tenant_run(&tk, &from),
+            page_size,
+            |k, _| {
+                let Some(run_id) = keys::decode_tenant_run(k) else {
+                    return Ok(None);
+                };
+                let key = keys::run(&keys::run_key(tenant, run_id));
+                let Some(bytes) = self.store.get(&key)? else {
+                    return Ok(None);
+                };
+                let run: RunRecord = codec::decode(&key, &bytes)?;
+                let view = RunView {
+                    run,
+                    checkpoints: Vec::new(),
+                    restores: Vec::new(),
+                };
+                Ok(Some((view, bytes.len())))
+            },
+        )?;
+        let token = next
+            .as_deref()
+            .and_then(keys::decode_tenant_run)
+            .map_or_else(String::new, |id| codec::hex(id.as_bytes()));
+        Ok((runs, token))
     }
 
     /// A run's state, checkpoints and restore history.
@@ -152,10 +214,10 @@ impl<S: Store> Ledger<S> {
         let _guard = self.runs.lock(&rk);
         let now = self.now();
         let on_main = cmd.branch.is_empty() || cmd.branch == MAIN_BRANCH;
-        let mut run = match self.load_run(&rk, tenant, &cmd.run_id)? {
-            Some(run) => run,
+        let (mut run, created) = match self.load_run(&rk, tenant, &cmd.run_id)? {
+            Some(run) => (run, false),
             // A framework may checkpoint before the run's first effect.
-            None if cmd.epoch <= 1 && on_main => new_run(tenant, &cmd.run_id, now),
+            None if cmd.epoch <= 1 && on_main => (new_run(tenant, &cmd.run_id, now), true),
             None => return Err(self.require_run(&rk, tenant, &cmd.run_id).unwrap_err()),
         };
         check_epoch(&run, cmd.epoch)?;
@@ -214,6 +276,9 @@ impl<S: Store> Ledger<S> {
         let mut batch = Batch::new();
         batch.put(key, codec::encode(&record));
         batch.put(keys::run(&rk), codec::encode(&run));
+        if created {
+            index_new_run(&mut batch, tenant, &cmd.run_id);
+        }
         self.store.write(batch)?;
         Ok((record, true))
     }

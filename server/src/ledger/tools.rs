@@ -208,6 +208,45 @@ impl<S: Store> Ledger<S> {
         Ok((record, true))
     }
 
+    /// A page of the tenant's registered tools (each at its current version) and the next
+    /// page's token (`""`: done). Tools are listed in an order that is stable across pages
+    /// (by a hash of the name), not by name.
+    pub fn list_tools(
+        &self,
+        tenant: &str,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<ToolRecord>, String)> {
+        let tk = keys::tenant_key(tenant);
+        let prefix = keys::tool_head_prefix(&tk);
+        let mut from = prefix.clone();
+        if !page_token.is_empty() {
+            let nk = codec::unhex(page_token)
+                .filter(|b| b.len() == 16)
+                .ok_or_else(|| {
+                    LedgerError::invalid("page_token", "is not a token this server issued")
+                })?;
+            from.extend_from_slice(&nk);
+        }
+        let (tools, next) = self.page(&prefix, from, page_size, |k, v| {
+            let (Some(nk), head) = (keys::decode_tool_head(k), codec::decode::<ToolHead>(k, v)?)
+            else {
+                return Ok(None);
+            };
+            let key = keys::tool_by_name_key(&tk, &nk, head.version);
+            let Some(bytes) = self.store.get(&key)? else {
+                return Ok(None);
+            };
+            let record: ToolRecord = codec::decode(&key, &bytes)?;
+            Ok(Some((record, bytes.len())))
+        })?;
+        let token = next
+            .as_deref()
+            .and_then(keys::decode_tool_head)
+            .map_or_else(String::new, |nk| codec::hex(&nk));
+        Ok((tools, token))
+    }
+
     /// The current definition of a tool (version 0 if unregistered).
     pub fn current_tool(&self, tenant: &str, name: &str) -> Result<Arc<Tool>> {
         let tk = keys::tenant_key(tenant);

@@ -41,6 +41,8 @@ pub enum Kind {
     Credential = 0x0A,
     /// Expiry index: (expires_at, run, sequence) -> nothing.
     Expiry = 0x0B,
+    /// A tenant's runs, by run id: (tenant, run_id bytes) -> nothing (format 3).
+    TenantRun = 0x0C,
 }
 
 /// A blake3 key-derivation hasher for a fixed context. Deriving the context key is a full
@@ -222,16 +224,61 @@ pub fn tool_head(tk: &TenantKey, name: &str) -> Vec<u8> {
 
 /// One version of a tool.
 pub fn tool(tk: &TenantKey, name: &str, version: u32) -> Vec<u8> {
-    KeyBuf::new(Kind::Tool, 36)
-        .bytes(tk)
-        .bytes(&name_key(name))
-        .u32(version)
-        .0
+    tool_by_name_key(tk, &name_key(name), version)
 }
 
 /// A credential.
 pub fn credential(tk: &TenantKey, hash: &[u8; 32]) -> Vec<u8> {
     KeyBuf::new(Kind::Credential, 48).bytes(tk).bytes(hash).0
+}
+
+/// A tool's current-version pointer, by the hash of its name (as listed by a scan).
+pub fn tool_head_prefix(tk: &TenantKey) -> Vec<u8> {
+    KeyBuf::new(Kind::ToolHead, 16).bytes(tk).0
+}
+
+/// One version of a tool, by the hash of its name.
+pub fn tool_by_name_key(tk: &TenantKey, nk: &NameKey, version: u32) -> Vec<u8> {
+    KeyBuf::new(Kind::Tool, 36)
+        .bytes(tk)
+        .bytes(nk)
+        .u32(version)
+        .0
+}
+
+/// The name hash of a tool head key.
+pub fn decode_tool_head(key: &[u8]) -> Option<NameKey> {
+    if key.len() != 33 || key[0] != Kind::ToolHead as u8 {
+        return None;
+    }
+    key[17..33].try_into().ok()
+}
+
+/// A tenant's run index entry. The run id is the key's last part, unhashed, so a tenant's
+/// runs scan in run-id order and a run-id prefix is a key prefix.
+pub fn tenant_run(tk: &TenantKey, run_id: &str) -> Vec<u8> {
+    KeyBuf::new(Kind::TenantRun, 16 + run_id.len())
+        .bytes(tk)
+        .bytes(run_id.as_bytes())
+        .0
+}
+
+/// A tenant's runs whose id starts with `run_id_prefix` (`""`: all of them).
+pub fn tenant_run_prefix(tk: &TenantKey, run_id_prefix: &str) -> Vec<u8> {
+    tenant_run(tk, run_id_prefix)
+}
+
+/// The run id of a tenant run index key (None if it is not one, or not UTF-8).
+pub fn decode_tenant_run(key: &[u8]) -> Option<&str> {
+    if key.len() < 17 || key[0] != Kind::TenantRun as u8 {
+        return None;
+    }
+    std::str::from_utf8(&key[17..]).ok()
+}
+
+/// All run records (every tenant's): what a format migration walks.
+pub fn run_prefix() -> Vec<u8> {
+    vec![Kind::Run as u8]
 }
 
 /// An expiry index entry.
@@ -288,6 +335,7 @@ mod tests {
             Kind::Tool,
             Kind::Credential,
             Kind::Expiry,
+            Kind::TenantRun,
         ];
         for w in kinds.windows(2) {
             assert!((w[0] as u8) < (w[1] as u8));
@@ -311,6 +359,20 @@ mod tests {
         assert!(checkpoint(&rk, "c").starts_with(&checkpoint_prefix(&rk)));
         assert!(restore(&rk, 2).starts_with(&restore_prefix(&rk)));
         assert!(expiry(1, &rk, 2).starts_with(&expiry_prefix()));
+        let tk = tenant_key("t");
+        assert!(tenant_run(&tk, "run-7").starts_with(&tenant_run_prefix(&tk, "run-")));
+        assert!(!tenant_run(&tenant_key("u"), "run-7").starts_with(&tenant_run_prefix(&tk, "")));
+        assert_eq!(decode_tenant_run(&tenant_run(&tk, "run-7")), Some("run-7"));
+        assert!(tool_head(&tk, "pay").starts_with(&tool_head_prefix(&tk)));
+        assert_eq!(
+            decode_tool_head(&tool_head(&tk, "pay")),
+            Some(name_key("pay"))
+        );
+        assert_eq!(
+            tool_by_name_key(&tk, &name_key("pay"), 3),
+            tool(&tk, "pay", 3)
+        );
+        assert!(run(&rk).starts_with(&run_prefix()));
         // A neighbouring branch's log is not inside this branch's prefix.
         assert!(!branch_log(&rk, 3, 0).starts_with(&branch_log_prefix(&rk, 2)));
     }
