@@ -432,7 +432,11 @@ fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    // 64 cases in CI; PROPTEST_CASES=N runs more (a search for a rare interleaving).
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn retries_restores_and_late_checkpoints_never_execute_a_call_twice(
@@ -554,17 +558,12 @@ fn stable_keys_and_restores_along_the_original_line_need_no_fork() {
     run_agent(Keys::Stable, events).unwrap();
 }
 
-/// Found by the property at PROPTEST_CASES=1500 (present since at least `30c05d9`): keys new
-/// on every attempt, three restores with drift, the last one to a checkpoint (cp-15) recorded
-/// while a tape was due. The restore's tape keeps only effects causally after cp-15, so the
-/// effects still due when cp-15 was recorded (4, 6, 7: rewound by the restores to cp-0, never
-/// re-answered on main) are lost, and call 7 executes intent 2 a third time. Recording the due
-/// entries in the checkpoint and putting them back on the tape fixes this case but makes a
-/// saved Stable-keys case refuse an unchanged call (FORK_REQUIRED): there an entry due at the
-/// checkpoint had been superseded (the agent had forked past it and replayed the fork's
-/// effect instead), so it must not come back. The fix has to tell the two apart.
+/// Found by the property at PROPTEST_CASES=1500: keys new on every attempt, three restores
+/// with drift, the last one to a checkpoint (cp-15) recorded while a tape was due. The
+/// restore's tape holds only effects causally after cp-15; the effects still due when cp-15
+/// was recorded (rewound by the restores to cp-0, never re-answered on main) must stay done
+/// (carried), or call 7 executes intent 2 a third time.
 #[test]
-#[ignore = "known bug: a restore to a checkpoint recorded while a tape was due loses the due entries"]
 fn new_keys_per_attempt_and_drifting_restores_execute_no_call_twice() {
     use Event::*;
     let step = |first| Step {
@@ -588,6 +587,37 @@ fn new_keys_per_attempt_and_drifting_restores_execute_no_call_twice() {
         Restore {
             to: 0,
             drift: Some(5),
+        },
+        Restore { to: 1, drift: None },
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property at 64 cases: the same loss with two parallel calls a step, where
+/// the last call of intent 0 would have executed a fifth time for four calls.
+#[test]
+fn parallel_calls_and_a_restore_to_a_checkpoint_saved_while_a_tape_was_due_execute_no_call_twice() {
+    use Event::*;
+    let step = |first, second| Step {
+        first,
+        second,
+        late_checkpoint: false,
+        retry_in_flight: false,
+    };
+    let events = vec![
+        step(2, None),
+        step(2, None),
+        step(0, None),
+        step(0, None),
+        step(0, Some(1)),
+        step(2, Some(0)),
+        Restore {
+            to: 0,
+            drift: Some(0),
+        },
+        Restore {
+            to: 0,
+            drift: Some(3),
         },
         Restore { to: 1, drift: None },
     ];

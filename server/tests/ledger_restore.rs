@@ -997,3 +997,61 @@ fn a_checkpoint_creates_an_unknown_run_only_on_main_at_its_first_epoch() {
 fn tonic_code(e: fence_server::ledger::LedgerError) -> tonic::Code {
     tonic::Status::from(e).code()
 }
+
+/// A checkpoint saved while a replay tape was due (a framework resuming from a restored
+/// checkpoint saves a new one before re-issuing anything), then a crash and a restore to it:
+/// the effects still due there are not causally after it (they name older checkpoints), yet
+/// the agent has not re-issued them. They stay done: re-issued, they replay.
+#[test]
+fn a_restore_to_a_checkpoint_saved_while_a_tape_was_due_keeps_the_due_effects_done() {
+    let h = setup();
+    let save = |id: &str, parent: &str, epoch: u64| {
+        h.ledger
+            .checkpoint(
+                T,
+                &CheckpointCmd {
+                    run_id: "run".into(),
+                    epoch,
+                    checkpoint_id: id.into(),
+                    parent_checkpoint_id: parent.into(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+    };
+    let pay = |to: &str, reference: &str, parent: &str, epoch: u64| BeginCmd {
+        parent_checkpoint_id: parent.into(),
+        ..on(
+            epoch,
+            "",
+            call("run", TRANSFER, &transfer(to, 5, reference)),
+        )
+    };
+    save("cp0", "", 1);
+    let a = executed(h.begin(&pay("ann", "r1", "cp0", 1)));
+    complete(&h, &a, "tx-ann");
+    save("cp1", "cp0", 1);
+    let b = executed(h.begin(&pay("bob", "r2", "cp1", 1)));
+    complete(&h, &b, "tx-bob");
+    save("cp2", "cp1", 1);
+
+    let restored = h.ledger.restore(T, "run", "cp0", 0).unwrap();
+    assert_eq!(restored.tape.len(), 2);
+    // Resumed from cp0, the framework saves its state before the first call.
+    save("cp0-resumed", "cp0", 2);
+    let restored = h.ledger.restore(T, "run", "cp0-resumed", 0).unwrap();
+    assert!(
+        restored.tape.is_empty(),
+        "nothing was done after cp0-resumed"
+    );
+    let run = h.ledger.get_run(T, "run").unwrap().run;
+    assert_eq!(run.branches[0].carried_seqs, [a.seq, b.seq]);
+
+    // Re-issued with fresh references: both replay; nothing runs twice.
+    let again = replayed(h.begin(&pay("ann", "r3", "cp0-resumed", 3)));
+    assert_eq!(again.id(), a.id());
+    let again = replayed(h.begin(&pay("bob", "r4", "cp0-resumed", 3)));
+    assert_eq!(again.id(), b.id());
+    // A new intent is a new effect, not refused for what was carried.
+    executed(h.begin(&pay("cat", "r5", "cp0-resumed", 3)));
+}

@@ -144,6 +144,12 @@ pub struct CheckpointRecord {
     /// The checkpoint it follows in the run's history (empty = not named).
     #[prost(string, tag = "8")]
     pub parent_checkpoint_id: String,
+    /// The effects still due on the branch when it was taken (its replay tape and carried
+    /// effects, not re-issued yet): done in the world but not yet on the agent's line at this
+    /// point. A restore to it carries those its tape does not hold. Empty in checkpoints
+    /// recorded before the field existed.
+    #[prost(uint64, repeated, tag = "9")]
+    pub due_seqs: Vec<u64>,
 }
 
 /// One restore.

@@ -268,6 +268,7 @@ impl<S: Store> Ledger<S> {
             ordinal: run.checkpoint_count,
             branch_name: b.name.clone(),
             parent_checkpoint_id: cmd.parent_checkpoint_id.clone(),
+            due_seqs: b.tape_seqs.iter().chain(&b.carried_seqs).copied().collect(),
         };
         run.checkpoint_count += 1;
         let b = &mut run.branches[branch as usize];
@@ -338,6 +339,19 @@ impl<S: Store> Ledger<S> {
             if !branch.carried_seqs.contains(&seq) {
                 branch.carried_seqs.push(seq);
                 branch.carried_sources.push(source);
+            }
+        }
+        // What was still due when the checkpoint was taken (rewound by an earlier restore or
+        // carried, not re-issued yet) stays done: the agent back at the checkpoint has not
+        // re-issued it either. The causal tape holds those re-issued after the checkpoint; the
+        // rest were made on a line the checkpoint is not after, so they are carried, not due:
+        // an equivalent call replays one, and no other call is refused for them (one may have
+        // been superseded since, e.g. by a fork's effect the agent followed instead). They sit
+        // in this branch's log or are carried already, so this branch's indexes hold them.
+        for &seq in &cp.due_seqs {
+            if !tape.iter().any(|r| r.seq == seq) && !branch.carried_seqs.contains(&seq) {
+                branch.carried_seqs.push(seq);
+                branch.carried_sources.push(cp.branch);
             }
         }
         // The agent is back at the checkpoint: that is where its causal step starts.
