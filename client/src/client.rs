@@ -18,9 +18,9 @@ use tower::{Service, ServiceExt};
 use crate::error::Error;
 use crate::retry::RetryPolicy;
 use crate::types::{
-    BeginOutcome, CheckpointInfo, Compensation, CompleteCall, Completion, CredentialInfo,
-    CredentialUse, Finding, Forked, NewCredential, Outcome, OutcomeKey, Receipt, RegisteredTool,
-    Restored, RunInfo, Stored, ToolDef, receipt_req, required,
+    Backup, BackupReport, BeginOutcome, CheckpointInfo, Compensation, CompleteCall, Completion,
+    CredentialInfo, CredentialUse, Finding, Forked, NewCredential, Outcome, OutcomeKey, Receipt,
+    RegisteredTool, Restored, RunInfo, Stored, ToolDef, receipt_req, required,
 };
 
 /// A boxed error, as returned by a custom transport.
@@ -54,6 +54,7 @@ impl std::error::Error for TransportError {
 }
 
 type Stub = pb::fence_client::FenceClient<Transport>;
+type AdminStub = pb::admin_client::AdminClient<Transport>;
 
 /// The metadata name of a W3C trace context.
 const TRACEPARENT_METADATA: &str = "traceparent";
@@ -75,6 +76,7 @@ pub const TENANT_METADATA: &str = "x-fence-tenant";
 #[derive(Clone)]
 pub struct FenceClient {
     stub: Stub,
+    admin: AdminStub,
     authorization: Option<AsciiMetadataValue>,
     tenant: Option<AsciiMetadataValue>,
     traceparent: Option<AsciiMetadataValue>,
@@ -288,7 +290,8 @@ impl FenceClientBuilder {
             })
             .transpose()?;
         Ok(FenceClient {
-            stub: pb::fence_client::FenceClient::new(transport),
+            stub: pb::fence_client::FenceClient::new(transport.clone()),
+            admin: pb::admin_client::AdminClient::new(transport),
             authorization,
             tenant,
             traceparent: None,
@@ -587,11 +590,25 @@ impl FenceClient {
         &self.policy
     }
 
-    /// Sends one unary RPC with the client's metadata and timeout.
+    /// Sends one unary RPC of the Fence service with the client's metadata and timeout.
     async fn unary<Req, Resp, Fut>(
         &self,
         message: Req,
         call: impl FnOnce(Stub, tonic::Request<Req>) -> Fut,
+    ) -> Result<Resp, Error>
+    where
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        self.unary_on(self.stub.clone(), message, call).await
+    }
+
+    /// Sends one unary RPC on `stub` (the Fence or the Admin service) with the client's
+    /// metadata and timeout.
+    async fn unary_on<St, Req, Resp, Fut>(
+        &self,
+        stub: St,
+        message: Req,
+        call: impl FnOnce(St, tonic::Request<Req>) -> Fut,
     ) -> Result<Resp, Error>
     where
         Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
@@ -615,7 +632,7 @@ impl FenceClient {
         let response = match self.request_timeout {
             Some(timeout) => {
                 request.set_timeout(timeout);
-                match tokio::time::timeout(timeout, call(self.stub.clone(), request)).await {
+                match tokio::time::timeout(timeout, call(stub, request)).await {
                     Ok(response) => response,
                     Err(_) => {
                         return Err(Error::Rpc {
@@ -626,9 +643,53 @@ impl FenceClient {
                     }
                 }
             }
-            None => call(self.stub.clone(), request).await,
+            None => call(stub, request).await,
         };
         Ok(response?.into_inner())
+    }
+
+    /// Writes a consistent copy of the whole ledger into `dir`, a new directory on the
+    /// server's machine, while the server goes on serving (the `Admin` service: in token mode
+    /// the client's token must be marked `admin`). Every effect acknowledged before the call is
+    /// in it; the copy is verified before this returns. Restore by starting `fenced --data-dir`
+    /// on it.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// let backup = client.create_backup("/var/backups/fence/2026-12-05").await?;
+    /// assert!(backup.report.is_sound());
+    /// println!("{} effects in {}", backup.report.effects, backup.dir);
+    /// # Ok(()) }
+    /// ```
+    pub async fn create_backup(&self, dir: &str) -> Result<Backup, Error> {
+        let request = pb::CreateBackupRequest {
+            dir: dir.to_owned(),
+        };
+        let response = self
+            .unary_on(self.admin.clone(), request, |mut s, r| async move {
+                s.create_backup(r).await
+            })
+            .await?;
+        Ok(Backup {
+            dir: response.dir,
+            bytes: response.bytes,
+            created_at_ms: response.created_at_ms,
+            report: required(response.report, "report")?.into(),
+        })
+    }
+
+    /// Verifies a backup (or any data dir) on the server's machine: every record is read and
+    /// checked; the directory is not changed. Damage is in the report, not an error.
+    pub async fn verify_backup(&self, dir: &str) -> Result<BackupReport, Error> {
+        let request = pb::VerifyBackupRequest {
+            dir: dir.to_owned(),
+        };
+        let response = self
+            .unary_on(self.admin.clone(), request, |mut s, r| async move {
+                s.verify_backup(r).await
+            })
+            .await?;
+        Ok(required(response.report, "report")?.into())
     }
 
     /// Registers (or re-registers) a tool. An identical definition returns the current version

@@ -61,8 +61,9 @@ pub use saga::{
 /// TLS settings for [`FenceClientBuilder::tls`] (re-exported from tonic).
 pub use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 pub use types::{
-    BeginOutcome, BranchInfo, CheckpointInfo, Compensation, CompleteCall, Completion,
-    CredentialInfo, CredentialUse, Decision, EffectState, Finding, Forked, Grant, IntentSchema,
-    NewCredential, OperationClass, Outcome, OutcomeKey, ReasonCode, Receipt, RecoveryAction,
-    Refusal, RegisteredTool, RestoreEvent, Restored, RunInfo, Stored, StringNormalization, ToolDef,
+    Backup, BackupReport, BeginOutcome, BranchInfo, CheckpointInfo, Compensation, CompleteCall,
+    Completion, CredentialInfo, CredentialUse, Decision, EffectState, Finding, Forked, Grant,
+    IntentSchema, NewCredential, OperationClass, Outcome, OutcomeKey, ReasonCode, Receipt,
+    RecoveryAction, Refusal, RegisteredTool, RestoreEvent, Restored, RunInfo, Stored,
+    StringNormalization, ToolDef,
 };

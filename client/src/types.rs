@@ -1290,3 +1290,63 @@ mod tests {
         assert!(!format!("{new:?}").contains("secret"));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Backups
+// ---------------------------------------------------------------------------------------------
+
+/// What verifying a backup (or any data dir) found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackupReport {
+    /// The ledger format its records are in.
+    pub format_version: u32,
+    /// Records read, index entries included.
+    pub records: u64,
+    /// Runs, over every tenant.
+    pub runs: u64,
+    /// Effects, over every tenant.
+    pub effects: u64,
+    /// Registered tools (current versions).
+    pub tools: u64,
+    /// Registered credentials.
+    pub credentials: u64,
+    /// What is wrong, one line each (at most 100 listed).
+    pub problems: Vec<String>,
+    /// How many problems there are; 0 when the copy is sound.
+    pub problem_count: u64,
+}
+
+impl BackupReport {
+    /// True when verification found nothing wrong.
+    pub fn is_sound(&self) -> bool {
+        self.problem_count == 0
+    }
+}
+
+impl From<pb::BackupReport> for BackupReport {
+    fn from(r: pb::BackupReport) -> Self {
+        BackupReport {
+            format_version: r.format_version,
+            records: r.records,
+            runs: r.runs,
+            effects: r.effects,
+            tools: r.tools,
+            credentials: r.credentials,
+            problems: r.problems,
+            problem_count: r.problem_count,
+        }
+    }
+}
+
+/// A backup written by [`FenceClient::create_backup`](crate::FenceClient::create_backup).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backup {
+    /// The directory written, on the server's machine.
+    pub dir: String,
+    /// Bytes of its files (shared with the live store by hard links where possible).
+    pub bytes: u64,
+    /// When it was taken (server clock, ms since the Unix epoch).
+    pub created_at_ms: u64,
+    /// Its records, as verified right after it was written.
+    pub report: BackupReport,
+}

@@ -28,6 +28,8 @@ pub struct TokenEntry {
     tenant: Arc<str>,
     hash: blake3::Hash,
     revoked: bool,
+    /// May call the `Admin` service (backups of every tenant's records).
+    admin: bool,
 }
 
 /// Errors reading a tokens file.
@@ -62,7 +64,8 @@ pub enum Auth {
 
 impl Auth {
     /// Reads a tokens file. Each non-empty line not starting with `#` is
-    /// `<tenant> <blake3-hex-of-token> [revoked]`; `fenced hash-token` prints the hash.
+    /// `<tenant> <blake3-hex-of-token> [admin] [revoked]`; `fenced hash-token` prints the
+    /// hash. An `admin` token may also call the `Admin` service (backups).
     pub fn from_tokens_file(path: &Path) -> Result<Self, AuthConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| AuthConfigError::Read {
             path: path.display().to_string(),
@@ -84,11 +87,19 @@ impl Auth {
                 why: why.to_owned(),
             };
             let parts: Vec<&str> = line.split_whitespace().collect();
-            let (tenant, hash, revoked) = match parts.as_slice() {
-                [t, h] => (*t, *h, false),
-                [t, h, "revoked"] => (*t, *h, true),
-                _ => return Err(bad("expected `<tenant> <blake3-hex> [revoked]`")),
+            let usage = "expected `<tenant> <blake3-hex> [admin] [revoked]`";
+            let [tenant, hash, flags @ ..] = parts.as_slice() else {
+                return Err(bad(usage));
             };
+            let (mut admin, mut revoked) = (false, false);
+            for flag in flags {
+                match *flag {
+                    "admin" if !admin => admin = true,
+                    "revoked" if !revoked => revoked = true,
+                    _ => return Err(bad(usage)),
+                }
+            }
+            let (tenant, hash) = (*tenant, *hash);
             check_id("tenant", tenant, 256).map_err(|e| bad(&e.to_string()))?;
             let hash = blake3::Hash::from_hex(hash)
                 .map_err(|_| bad("the token hash must be 64 hex digits (blake3)"))?;
@@ -96,6 +107,7 @@ impl Auth {
                 tenant: tenant.into(),
                 hash,
                 revoked,
+                admin,
             });
         }
         Ok(Self::Tokens(entries.into()))
@@ -122,7 +134,7 @@ impl Auth {
                 }
             },
             Auth::Tokens(entries) => {
-                let tenant = self.bearer_tenant(&req, entries)?;
+                let tenant = bearer_entry(&req, entries)?.tenant.clone();
                 if let Some(v) = req.metadata().get(TENANT_HEADER)
                     && v.as_bytes() != tenant.as_bytes()
                 {
@@ -137,39 +149,53 @@ impl Auth {
         Ok(req)
     }
 
-    #[allow(clippy::result_large_err)]
-    fn bearer_tenant<T>(
-        &self,
-        req: &Request<T>,
-        entries: &[TokenEntry],
-    ) -> Result<Arc<str>, Status> {
-        let header = req
-            .metadata()
-            .get("authorization")
-            .ok_or_else(|| Status::unauthenticated("missing `authorization: Bearer <token>`"))?;
-        let token = header
-            .to_str()
-            .ok()
-            .and_then(|h| h.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| {
-                Status::unauthenticated("the authorization header must be `Bearer <token>`")
-            })?;
-        let presented = blake3::hash(token.as_bytes());
-        // blake3::Hash equality is constant-time; scan every entry so timing does not reveal
-        // which one matched.
-        let mut found: Option<&TokenEntry> = None;
-        for e in entries {
-            if e.hash == presented {
-                found = Some(e);
-            }
+    /// Authorises a call of the `Admin` service: in token mode only a token marked `admin`;
+    /// in dev mode anyone (dev mode authenticates nothing).
+    #[allow(clippy::result_large_err)] // tonic's interceptor signature
+    pub fn authorize_admin<T>(&self, req: Request<T>) -> Result<Request<T>, Status> {
+        if let Auth::Tokens(entries) = self
+            && !bearer_entry(&req, entries)?.admin
+        {
+            return Err(Status::permission_denied(
+                "this token may not call the Admin service: mark it `admin` in the tokens file",
+            ));
         }
-        match found {
-            Some(e) if e.revoked => Err(Status::unauthenticated("this token was revoked")),
-            Some(e) => Ok(e.tenant.clone()),
-            None => Err(Status::unauthenticated("unknown token")),
+        Ok(req)
+    }
+}
+
+/// The tokens-file entry of a call's bearer token (live, not revoked).
+#[allow(clippy::result_large_err)]
+fn bearer_entry<'a, T>(
+    req: &Request<T>,
+    entries: &'a [TokenEntry],
+) -> Result<&'a TokenEntry, Status> {
+    let header = req
+        .metadata()
+        .get("authorization")
+        .ok_or_else(|| Status::unauthenticated("missing `authorization: Bearer <token>`"))?;
+    let token = header
+        .to_str()
+        .ok()
+        .and_then(|h| h.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            Status::unauthenticated("the authorization header must be `Bearer <token>`")
+        })?;
+    let presented = blake3::hash(token.as_bytes());
+    // blake3::Hash equality is constant-time; scan every entry so timing does not reveal
+    // which one matched.
+    let mut found: Option<&TokenEntry> = None;
+    for e in entries {
+        if e.hash == presented {
+            found = Some(e);
         }
+    }
+    match found {
+        Some(e) if e.revoked => Err(Status::unauthenticated("this token was revoked")),
+        Some(e) => Ok(e),
+        None => Err(Status::unauthenticated("unknown token")),
     }
 }
 
@@ -245,5 +271,34 @@ mod tests {
         assert!(Auth::from_tokens_text("acme").is_err());
         assert!(Auth::from_tokens_text("acme zz").is_err());
         assert!(Auth::from_tokens_text(&format!("acme {} maybe", Auth::hash_token("x"))).is_err());
+        let twice = format!("acme {} admin admin", Auth::hash_token("x"));
+        assert!(Auth::from_tokens_text(&twice).is_err());
+    }
+
+    #[test]
+    fn only_admin_tokens_may_call_the_admin_service() {
+        let text = format!(
+            "ops {} admin\nacme {}\nold {} revoked admin\n",
+            Auth::hash_token("tok-ops"),
+            Auth::hash_token("tok-a"),
+            Auth::hash_token("tok-old")
+        );
+        let auth = Auth::from_tokens_text(&text).unwrap();
+        let admin = |token: &str| {
+            auth.authorize_admin(with_meta(&[("authorization", token)]))
+                .map(|_| ())
+                .map_err(|e| e.code())
+        };
+        assert_eq!(admin("Bearer tok-ops"), Ok(()));
+        assert_eq!(admin("Bearer tok-a"), Err(tonic::Code::PermissionDenied));
+        assert_eq!(admin("Bearer tok-old"), Err(tonic::Code::Unauthenticated));
+        assert_eq!(admin("Bearer nope"), Err(tonic::Code::Unauthenticated));
+        // An admin token is still an ordinary token of its tenant elsewhere.
+        let ok = auth
+            .authenticate(with_meta(&[("authorization", "Bearer tok-ops")]))
+            .unwrap();
+        assert_eq!(&*tenant_of(&ok).unwrap(), "ops");
+        // Dev mode authenticates nothing, so it does not guard the Admin service either.
+        assert!(Auth::Dev.authorize_admin(with_meta(&[])).is_ok());
     }
 }

@@ -10,8 +10,12 @@
 //! - [`auth`], [`quota`], [`config`], [`server`]: tenants and tokens, per-tenant rate limits,
 //!   settings, wiring and shutdown;
 //! - [`trace`]: W3C `traceparent` parsing and the per-RPC span that carries it;
-//! - [`metrics`]: Prometheus metrics and their admin listener.
+//! - [`metrics`]: Prometheus metrics and their admin listener;
+//! - `admin` (with the `rocksdb` feature): the `Admin` service, online backup and its
+//!   verification.
 
+#[cfg(feature = "rocksdb")]
+pub mod admin;
 pub mod auth;
 pub mod canonical;
 pub mod clock;

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use fence_proto::v1::admin_server::AdminServer;
 use fence_proto::v1::fence_server::FenceServer;
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
@@ -61,6 +62,11 @@ pub enum ServeError {
     Task(String),
 }
 
+/// The store's directory inside a data dir.
+pub const LEDGER_DIR: &str = "ledger";
+/// The credential key's file inside a data dir (unless `--credential-key-file` says otherwise).
+pub const CREDENTIAL_KEY_FILE: &str = "credential.key";
+
 /// Reads the credential key, generating it on first use (mode 0600).
 pub fn load_or_create_key(path: &Path) -> Result<[u8; 32], ServeError> {
     let err = |why: String| ServeError::CredentialKey {
@@ -73,17 +79,22 @@ pub fn load_or_create_key(path: &Path) -> Result<[u8; 32], ServeError> {
             .map_err(|b: Vec<u8>| err(format!("must hold exactly 32 bytes, holds {}", b.len()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let key: [u8; 32] = rand::random();
-            let mut opts = std::fs::OpenOptions::new();
-            opts.write(true).create_new(true);
-            #[cfg(unix)]
-            std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
-            let mut f = opts.open(path).map_err(|e| err(e.to_string()))?;
-            f.write_all(&key).map_err(|e| err(e.to_string()))?;
-            f.sync_all().map_err(|e| err(e.to_string()))?;
+            write_new_key_file(path, &key).map_err(|e| err(e.to_string()))?;
             Ok(key)
         }
         Err(e) => Err(err(e.to_string())),
     }
+}
+
+/// Writes a credential key into a new file readable by its owner only, durably.
+pub fn write_new_key_file(path: &Path, key: &[u8; 32]) -> std::io::Result<()> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    let mut f = opts.open(path)?;
+    f.write_all(key)?;
+    f.sync_all()
 }
 
 /// Opens the ledger described by `config`, with `clock`.
@@ -114,9 +125,9 @@ pub fn open_ledger_with(
     let key_path = config
         .credential_key_file
         .clone()
-        .unwrap_or_else(|| config.data_dir.join("credential.key"));
+        .unwrap_or_else(|| config.data_dir.join(CREDENTIAL_KEY_FILE));
     let credential_key = load_or_create_key(&key_path)?;
-    let store = RocksStore::open(config.data_dir.join("ledger"), store)?;
+    let store = RocksStore::open(config.data_dir.join(LEDGER_DIR), store)?;
     let ledger_config = LedgerConfig {
         default_lease_ms: config.lease_ms,
         max_lease_ms: config.max_lease_ms,
@@ -264,6 +275,11 @@ pub async fn serve_ledger_with(
         .map_err(|e| ServeError::Reflection(e.to_string()))?;
 
     let sweeper = tokio::spawn(sweep_loop(ledger.clone(), sweep_interval));
+    let admin_auth = auth.clone();
+    let admin = InterceptedService::new(
+        AdminServer::new(crate::admin::AdminService::new(ledger.clone())),
+        move |req| admin_auth.authorize_admin(req),
+    );
     let fence = InterceptedService::new(
         FenceServer::new(FenceService::with_sequencers(ledger.clone(), sequencers))
             // Room for the largest allowed arguments/results plus framing; the ledger enforces
@@ -299,6 +315,7 @@ pub async fn serve_ledger_with(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(fence)
+        .add_service(admin)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     sweeper.abort();

@@ -12,10 +12,13 @@
 //! fence tools show NAME [--version N] [--json]
 //! fence tools register FILE   # a JSON tool definition, or an array of them ("-": stdin)
 //! fence reconcile EFFECT_ID (--failed-before-input | --completed RESULT) --evidence TEXT
+//! fence backup create DIR [--json]   # DIR: a new absolute path on the server's machine
+//! fence backup verify DIR [--json]
 //! ```
 //!
 //! Exit codes: 0 done; 1 the server refused or failed the request; 2 bad usage; 3 the server
-//! could not be reached; 4 the run or effect does not exist.
+//! could not be reached; 4 the run, effect or directory does not exist; 5 a backup verified as
+//! damaged.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -87,6 +90,12 @@ enum Command {
         /// The run.
         run_id: String,
     },
+    /// Back the whole ledger up while the server serves, or verify a backup (needs an admin
+    /// token in token mode).
+    Backup {
+        #[command(subcommand)]
+        command: BackupCommand,
+    },
     /// Settle an effect whose outcome is unknown, after checking the downstream system.
     Reconcile {
         /// The effect's id.
@@ -104,6 +113,28 @@ enum Command {
         /// What you checked (kept for audit).
         #[arg(long)]
         evidence: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BackupCommand {
+    /// Write a consistent copy of the ledger into DIR, a new directory on the server's
+    /// machine; it is verified before the command returns. Restore: start `fenced --data-dir`
+    /// on it (or on a copy).
+    Create {
+        /// The new directory (absolute, on the server's machine).
+        dir: String,
+        /// As one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read and check every record of a backup (exit 5 when it is damaged).
+    Verify {
+        /// The backup's directory (absolute, on the server's machine).
+        dir: String,
+        /// As one JSON object.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -309,6 +340,67 @@ async fn run(args: Args) -> Result<(), Failure> {
                 print_table(&effects);
             }
             Ok(())
+        }
+        Command::Backup { command } => {
+            let (dir, json) = match &command {
+                BackupCommand::Create { dir, json } | BackupCommand::Verify { dir, json } => {
+                    (dir.clone(), *json)
+                }
+            };
+            if !std::path::Path::new(&dir).is_absolute() {
+                return Err(usage(format!(
+                    "{dir:?}: give the directory as an absolute path on the server's machine"
+                )));
+            }
+            let (report, mut line) = match command {
+                BackupCommand::Create { .. } => {
+                    let backup = client.create_backup(&dir).await?;
+                    let line = serde_json::json!({
+                        "dir": backup.dir,
+                        "bytes": backup.bytes,
+                        "created_at_ms": backup.created_at_ms,
+                    });
+                    (backup.report, line)
+                }
+                BackupCommand::Verify { .. } => (
+                    client.verify_backup(&dir).await?,
+                    serde_json::json!({ "dir": dir }),
+                ),
+            };
+            line["format_version"] = report.format_version.into();
+            line["records"] = report.records.into();
+            line["runs"] = report.runs.into();
+            line["effects"] = report.effects.into();
+            line["tools"] = report.tools.into();
+            line["credentials"] = report.credentials.into();
+            line["problem_count"] = report.problem_count.into();
+            line["problems"] = report.problems.clone().into();
+            if json {
+                println!("{line}");
+            } else {
+                for (k, v) in line.as_object().into_iter().flatten() {
+                    if k != "problems" {
+                        println!(
+                            "{k:<16} {}",
+                            v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+                        );
+                    }
+                }
+                for p in &report.problems {
+                    println!("problem          {p}");
+                }
+            }
+            if report.is_sound() {
+                Ok(())
+            } else {
+                Err(Failure {
+                    code: 5,
+                    message: format!(
+                        "{dir}: {} problems found; do not restore from it",
+                        report.problem_count
+                    ),
+                })
+            }
         }
         Command::Runs {
             command: RunsCommand::List { prefix, json },

@@ -21,6 +21,7 @@ pub mod records;
 pub mod runs;
 pub mod tools;
 pub mod types;
+pub mod verify;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 

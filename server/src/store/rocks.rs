@@ -64,6 +64,8 @@ pub struct RocksStore {
     /// True while the database is open read-only because it could not be reopened for
     /// writing: reads are served, writes retry the reopen.
     read_only: AtomicBool,
+    /// Opened with [`RocksStore::open_read_only`]: never reopened for writing.
+    inspect_only: bool,
 }
 
 thread_local! {
@@ -201,6 +203,37 @@ impl RocksStore {
             deferral: Deferral::default(),
             losses: Mutex::new(losses),
             read_only: AtomicBool::new(false),
+            inspect_only: false,
+        })
+    }
+
+    /// Opens an existing store read-only (a backup, or a data dir to inspect): nothing in the
+    /// directory is written, and every write is refused. A directory that holds no store is
+    /// an error.
+    pub fn open_read_only(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
+        let path = path.as_ref().to_path_buf();
+        let db = open_db_read_only(&path, opts)?;
+        Ok(Self {
+            db: RwLock::new(Some(db)),
+            needs_reopen: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+            path,
+            opts: opts.clone(),
+            deferral: Deferral::default(),
+            losses: Mutex::new(Vec::new()),
+            read_only: AtomicBool::new(true),
+            inspect_only: true,
+        })
+    }
+
+    /// Writes a consistent copy of the store into `dir`, which must not exist, while it goes on
+    /// serving: a RocksDB checkpoint (memtables flushed, table files hard-linked where the
+    /// filesystem allows, copied otherwise). It holds every write made before the call.
+    pub fn checkpoint_to(&self, dir: &Path) -> Result<(), StoreError> {
+        self.with_db(|db| {
+            rocksdb::checkpoint::Checkpoint::new(db)
+                .and_then(|c| c.create_checkpoint(dir))
+                .map_err(engine)
         })
     }
 
@@ -239,6 +272,12 @@ impl RocksStore {
 
     /// Runs `f` on the open database, reopening it first after a failed write.
     fn with_db<T>(&self, f: impl FnOnce(&DB) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        if self.inspect_only {
+            return Err(StoreError::Engine(format!(
+                "{} is open read-only (for inspection); nothing may be written to it",
+                self.path.display()
+            )));
+        }
         if self.needs_reopen.load(Ordering::Acquire) {
             self.reopen()?;
         }
