@@ -623,3 +623,40 @@ fn parallel_calls_and_a_restore_to_a_checkpoint_saved_while_a_tape_was_due_execu
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
 }
+
+/// Found by the property at PROPTEST_CASES=10000 (a false fork, present before the fix of the
+/// case above): restored to a checkpoint (cp-10) its framework saved while an earlier tape was
+/// due, the agent re-issues its steps, then makes a new call. One due entry (call 4's first
+/// effect, on a line that left cp-10's history at cp-2) was placed after cp-10 only because
+/// its checkpoint chain ended on another branch; it stayed on the tape and refused the new
+/// call FORK_REQUIRED. A chain that meets one of cp-10's ancestors first is beside cp-10, not
+/// after it.
+#[test]
+fn a_due_entry_from_a_line_beside_the_restored_checkpoint_forces_no_fork() {
+    use Event::*;
+    let step = |first| Step {
+        first,
+        second: None,
+        late_checkpoint: false,
+        retry_in_flight: false,
+    };
+    let events = vec![
+        step(0),
+        Restore {
+            to: 6,
+            drift: Some(0),
+        },
+        step(0),
+        step(0),
+        step(2),
+        Restore {
+            to: 1,
+            drift: Some(0),
+        },
+        step(1),
+        Restore { to: 1, drift: None },
+        Restore { to: 2, drift: None },
+        step(1),
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}

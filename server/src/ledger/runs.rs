@@ -22,6 +22,23 @@ use super::{
 use crate::store::keys::{self, RunKey};
 use crate::store::{Batch, Store, codec};
 
+/// What a restore has learnt of the causal order around its checkpoint.
+struct Causal {
+    /// The checkpoint's strict ancestors.
+    ancestors: Vec<String>,
+    /// Per checkpoint named by an effect: is it the checkpoint or after it?
+    memo: std::collections::HashMap<String, bool>,
+}
+
+impl Causal {
+    fn new(ancestors: Vec<String>) -> Self {
+        Self {
+            ancestors,
+            memo: std::collections::HashMap::new(),
+        }
+    }
+}
+
 /// Adds a newly created run to its tenant's run index (what `ListRuns` reads): in the batch
 /// that first writes the run record, so a listed run always exists.
 pub(super) fn index_new_run(batch: &mut Batch, tenant: &str, run_id: &str) {
@@ -317,9 +334,9 @@ impl<S: Store> Ledger<S> {
         // Positions come from the log entry: an adopted effect's record holds its position on
         // the branch that recorded it, not on this one.
         let mut after = Vec::new();
-        let mut descends = std::collections::HashMap::new();
+        let mut causal = Causal::new(self.ancestors(&rk, &cp)?);
         for (rec, position) in self.branch_log_from(&rk, cp.branch, cp.position)? {
-            if self.causally_after(&rk, &rec, &cp, &mut descends)? {
+            if self.causally_after(&rk, &rec, &cp, &mut causal)? {
                 after.push((rec, position));
             }
         }
@@ -348,6 +365,9 @@ impl<S: Store> Ledger<S> {
         // an equivalent call replays one, and no other call is refused for them (one may have
         // been superseded since, e.g. by a fork's effect the agent followed instead). They sit
         // in this branch's log or are carried already, so this branch's indexes hold them.
+        // (What the log holds past the checkpoint on a line that left the checkpoint's history
+        // before it, and was not due there, is neither: like a fork from before the restore
+        // point, that line is not the agent's.)
         for &seq in &cp.due_seqs {
             if !tape.iter().any(|r| r.seq == seq) && !branch.carried_seqs.contains(&seq) {
                 branch.carried_seqs.push(seq);
@@ -383,25 +403,43 @@ impl<S: Store> Ledger<S> {
         })
     }
 
+    /// `cp`'s strict ancestors by the recorded parent links, nearest first.
+    fn ancestors(&self, rk: &RunKey, cp: &CheckpointRecord) -> Result<Vec<String>> {
+        let mut out: Vec<String> = Vec::new();
+        let mut parent = cp.parent_checkpoint_id.clone();
+        // Each hop reads one checkpoint; the chain is at most the run's checkpoint count.
+        while !parent.is_empty()
+            && !out.contains(&parent)
+            && out.len() <= self.config.limits.max_checkpoints_per_run as usize
+        {
+            let next = self
+                .get::<CheckpointRecord>(&keys::checkpoint(rk, &parent))?
+                .map(|c| c.parent_checkpoint_id);
+            out.push(parent);
+            parent = next.unwrap_or_default();
+        }
+        Ok(out)
+    }
+
     /// Is `rec` (in the log after `cp`'s position) after `cp` in the run's causal history?
     /// Yes unless every checkpoint it is known to descend from (the one its call named, and
     /// those of the calls it answered as a replay since) has a recorded ancestry showing it
-    /// comes before `cp`: then the effect happened before `cp` and only arrived after it (the
-    /// framework saved `cp` late, or the effect's report was slow). An effect naming nothing,
-    /// or a checkpoint not recorded, is placed by arrival (when unsure, it stays on the tape:
-    /// fail closed). `memo` caches the answer per checkpoint.
+    /// is not after `cp`: then the effect happened before `cp` and only arrived after it (the
+    /// framework saved `cp` late, or the effect's report was slow), or on a line beside it.
+    /// An effect naming nothing, or a checkpoint not recorded, is placed by arrival (when
+    /// unsure, it stays on the tape: fail closed).
     fn causally_after(
         &self,
         rk: &RunKey,
         rec: &EffectRecord,
         cp: &CheckpointRecord,
-        memo: &mut std::collections::HashMap<String, bool>,
+        causal: &mut Causal,
     ) -> Result<bool> {
         if rec.parent_checkpoint_id.is_empty() {
             return Ok(true);
         }
         for named in std::iter::once(&rec.parent_checkpoint_id).chain(&rec.answered_steps) {
-            if self.descends_from(rk, named, cp, memo)? {
+            if self.descends_from(rk, named, cp, causal)? {
                 return Ok(true);
             }
         }
@@ -409,24 +447,29 @@ impl<S: Store> Ledger<S> {
     }
 
     /// Is checkpoint `named` `cp` or after it, by the recorded parent links (see
-    /// [`causally_after`](Self::causally_after))?
+    /// [`causally_after`](Self::causally_after))? Parent links form a tree, so a chain from
+    /// `named` that meets one of `cp`'s ancestors before `cp` itself branches off before `cp`:
+    /// `named` is before it or beside it, not after.
     fn descends_from(
         &self,
         rk: &RunKey,
         named: &str,
         cp: &CheckpointRecord,
-        memo: &mut std::collections::HashMap<String, bool>,
+        causal: &mut Causal,
     ) -> Result<bool> {
         if named == cp.checkpoint_id {
             return Ok(true);
         }
-        if let Some(&known) = memo.get(named) {
+        if let Some(&known) = causal.memo.get(named) {
             return Ok(known);
         }
         let mut answer = true;
         let mut cur = named.to_owned();
-        // Each hop reads one checkpoint; the chain is at most the run's checkpoint count.
         for _ in 0..=self.config.limits.max_checkpoints_per_run {
+            if causal.ancestors.contains(&cur) {
+                answer = false;
+                break;
+            }
             match self.get::<CheckpointRecord>(&keys::checkpoint(rk, &cur))? {
                 // Not recorded (yet): nothing says it is before `cp`; fail closed.
                 None => break,
@@ -441,7 +484,7 @@ impl<S: Store> Ledger<S> {
                 Some(c) => cur = c.parent_checkpoint_id,
             }
         }
-        memo.insert(named.to_owned(), answer);
+        causal.memo.insert(named.to_owned(), answer);
         Ok(answer)
     }
 
