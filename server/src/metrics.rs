@@ -14,6 +14,7 @@
 //! | `fence_store_writes_total` | counter | `durability` (synced, deferred: synced with its group, unsynced: audit counters) |
 //! | `fence_wal_syncs_total` | counter | WAL syncs asked of RocksDB (writes per sync = writes / syncs) |
 //! | `fence_store_bytes` | gauge | the store's table files and memtables (updated every retention sweep) |
+//! | `fence_open_effects` | gauge | `state` (accepted, running: lease live; effect_unknown: needs a reconcile), updated every retention sweep |
 
 use std::time::Instant;
 
@@ -68,6 +69,17 @@ pub fn wal_sync() {
 /// Sets the store's size.
 pub fn store_bytes(bytes: u64) {
     metrics::gauge!("fence_store_bytes").set(bytes as f64);
+}
+
+/// Sets the gauges of effects not settled yet.
+pub fn open_effects(census: &crate::ledger::expiry::OpenCensus) {
+    for (state, n) in [
+        ("accepted", census.accepted),
+        ("running", census.running),
+        ("effect_unknown", census.unknown),
+    ] {
+        metrics::gauge!("fence_open_effects", "state" => state).set(n as f64);
+    }
 }
 
 fn code_name(code: tonic::Code) -> &'static str {

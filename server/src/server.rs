@@ -339,6 +339,10 @@ async fn sweep_loop(ledger: Arc<Ledger<RocksStore>>, every: Duration) {
             if let Ok(bytes) = l.store().size_bytes() {
                 crate::metrics::store_bytes(bytes);
             }
+            match l.open_census() {
+                Ok(census) => crate::metrics::open_effects(&census),
+                Err(e) => tracing::warn!(error = %e, "counting open effects failed; will retry"),
+            }
             l.sweep_expired(1024)
         });
         match swept.await {

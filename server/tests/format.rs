@@ -67,11 +67,19 @@ fn a_data_dir_from_before_format_versions_is_migrated_and_still_read() {
         run.tracks_tool_versions = false;
         run.tool_versions.clear();
         batch.put(keys::run(&rk), codec::encode(&run));
+        // Nor the indexes of later formats (runs by tenant, open effects).
+        batch.delete(keys::tenant_run(&keys::tenant_key("t"), "r"));
+        batch.delete(keys::open(&rk, receipt.seq));
         ledger.store().write(batch).unwrap();
         receipt
     };
     let ledger = open(dir.path()).unwrap();
     assert_eq!(format_of(&ledger), Some(FORMAT_VERSION));
+    // The migration indexed the run and its open effect.
+    assert_eq!(ledger.list_runs("t", "", 0, "").unwrap().0.len(), 1);
+    assert_eq!(ledger.open_census().unwrap().accepted, 1);
+    let report = ledger.verify();
+    assert!(report.is_sound(), "{:?}", report.problems);
     // The old run's effect is found as before: the same step is the same effect.
     match ledger
         .begin(

@@ -449,6 +449,7 @@ fn bad_ids_keys_and_arguments_are_refused_before_anything_is_written() {
 #[test]
 fn bad_tool_registrations_are_refused() {
     let h = harness();
+    let before = h.snapshot();
     let def = |class: i32, volatile: &[&str]| ToolDef {
         name: "t".into(),
         class,
@@ -471,7 +472,7 @@ fn bad_tool_registrations_are_refused() {
         ),
         "tool.name",
     );
-    assert!(h.snapshot().is_empty());
+    assert_eq!(before, h.snapshot());
 }
 
 #[test]

@@ -179,6 +179,7 @@ proptest! {
             let rec = h.ledger.query_outcome(T, &OutcomeKey::EffectId(id.to_string())).unwrap().unwrap();
             prop_assert!(rec.tombstone || &rec.result == result);
         }
+        h.assert_sound();
     }
 }
 
@@ -321,5 +322,6 @@ proptest! {
             let spenders = all.iter().filter(|e| e.credential_hashes.contains(&cred.hash)).count();
             prop_assert_eq!(spenders as u32, cred.uses);
         }
+        h.assert_sound();
     }
 }

@@ -144,3 +144,55 @@ async fn a_launcher_reading_only_the_first_line_does_not_stop_the_server() {
     c.begin(call("a", 1)).await.unwrap();
     assert!(fenced.child.try_wait().unwrap().is_none(), "fenced exited");
 }
+
+/// The open-effect gauges follow a grant until it is settled (updated every sweep).
+#[tokio::test]
+async fn open_effect_gauges_follow_grants_until_settled() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fenced = Fenced::start(
+        dir.path(),
+        &[
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--sweep-interval-ms",
+            "50",
+        ],
+    );
+    let metrics = fenced.metrics_addr();
+    let mut c = FenceClient::connect(fenced.url()).await.unwrap();
+    let gauge_reaches = |state: &'static str, want: f64| {
+        let metrics = metrics.clone();
+        async move {
+            for _ in 0..200 {
+                let (_, body) = get(&metrics, "/metrics").await;
+                if sample(&body, "fence_open_effects", &[("state", state)]) == Some(want) {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+            }
+            panic!("fence_open_effects{{state={state:?}}} never reached {want}");
+        }
+    };
+    gauge_reaches("accepted", 0.0).await;
+    let begun = c.begin(call("a", 1)).await.unwrap().into_inner();
+    let Some(O::Execute(ex)) = begun.decision.and_then(|d| d.outcome) else {
+        panic!("expected a grant")
+    };
+    gauge_reaches("accepted", 1.0).await;
+    c.complete(pb::CompleteRequest {
+        effect_id: ex.effect_id,
+        attempt: ex.attempt,
+        outcome: Some(pb::complete_request::Outcome::Result(b"ok".to_vec())),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    gauge_reaches("accepted", 0.0).await;
+    // A grant whose lease lapses: unknown, the gauge to alert on.
+    let lapsing = pb::BeginRequest {
+        lease_ms: 1,
+        ..call("b", 2)
+    };
+    c.begin(lapsing).await.unwrap();
+    gauge_reaches("effect_unknown", 1.0).await;
+}

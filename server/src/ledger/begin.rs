@@ -764,6 +764,7 @@ impl<S: Store> Ledger<S> {
         let mut rec_changed = false;
         let mut counted = false;
         let mut tape_position = None;
+        let state_before = rec.state;
         match via {
             Via::Lineage => {}
             Via::Tape => {
@@ -863,7 +864,9 @@ impl<S: Store> Ledger<S> {
         // that changed, they are written without waiting for a sync (a crash may lose the
         // latest counts, never anything an answer depended on).
         let durable = rec_changed || !batch.is_empty();
-        if rec_changed || counted {
+        if rec.state != state_before {
+            self.put_effect(&mut batch, &call.rk, &rec);
+        } else if rec_changed || counted {
             batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
         }
         if durable {
@@ -877,15 +880,24 @@ impl<S: Store> Ledger<S> {
     /// Adopts a carried effect into the call's branch: it takes the next position in the
     /// branch's log and is indexed there by step key and intent, so the branch's later
     /// lookups, checkpoints and restores treat it as its own.
+    ///
+    /// An effect already in the branch's log (one a restore carried because it was still due
+    /// at the checkpoint, see `Ledger::restore`) keeps its place: a second log entry and
+    /// intent slot would count it twice. It is only indexed under the step keys.
     fn adopt(&self, call: &mut Call<'_>, rec: &mut EffectRecord, batch: &mut Batch) -> Result<()> {
         let b = call.branch;
-        let position = call.run.branches[b as usize].length;
+        let logged = (rec.branch == b).then_some(rec.position).or_else(|| {
+            rec.adopted
+                .iter()
+                .find(|a| a.branch == b)
+                .map(|a| a.position)
+        });
+        let position = logged.unwrap_or(call.run.branches[b as usize].length);
         let entry = codec::encode(&IndexEntry {
             seq: rec.seq,
             position,
             tool_version: rec.tool_version,
         });
-        batch.put(keys::branch_log(&call.rk, b, position), entry.clone());
         // Indexed under the call's step key (how this branch names the step) and the
         // effect's own; a step this branch already recorded for itself keeps its meaning.
         let mut step_keys = vec![call.cmd.step_key.as_str(), rec.step_key.as_str()];
@@ -896,22 +908,25 @@ impl<S: Store> Ledger<S> {
                 batch.put(step, entry.clone());
             }
         }
-        let fp: Fingerprint =
-            rec.intent_fp[..]
-                .try_into()
-                .map_err(|_| crate::store::StoreError::Corrupt {
-                    key: codec::hex(&keys::effect(&call.rk, rec.seq)),
-                    why: "an intent fingerprint is not 32 bytes".into(),
-                })?;
-        // One past every occurrence of this intent on the lineage: a free index slot.
-        let (count, _) = self.lineage_intent(call)?;
-        batch.put(keys::intent(&call.rk, b, &fp, count + 1), entry);
-        rec.adopted.push(Adoption {
-            branch: b,
-            position,
-        });
+        if logged.is_none() {
+            batch.put(keys::branch_log(&call.rk, b, position), entry.clone());
+            let fp: Fingerprint =
+                rec.intent_fp[..]
+                    .try_into()
+                    .map_err(|_| crate::store::StoreError::Corrupt {
+                        key: codec::hex(&keys::effect(&call.rk, rec.seq)),
+                        why: "an intent fingerprint is not 32 bytes".into(),
+                    })?;
+            // One past every occurrence of this intent on the lineage: a free index slot.
+            let (count, _) = self.lineage_intent(call)?;
+            batch.put(keys::intent(&call.rk, b, &fp, count + 1), entry);
+            rec.adopted.push(Adoption {
+                branch: b,
+                position,
+            });
+            call.run.branches[b as usize].length += 1;
+        }
         let branch = &mut call.run.branches[b as usize];
-        branch.length += 1;
         if let Some(i) = branch.carried_seqs.iter().position(|s| *s == rec.seq) {
             branch.carried_seqs.remove(i);
             branch.carried_sources.remove(i);
@@ -1014,7 +1029,7 @@ impl<S: Store> Ledger<S> {
             tool_version: rec.tool_version,
         };
         let mut batch = Batch::new();
-        batch.put(keys::effect(&call.rk, seq), codec::encode(&rec));
+        self.put_effect(&mut batch, &call.rk, &rec);
         if !call.cmd.step_key.is_empty() {
             batch.put(
                 keys::step(&call.rk, call.branch, &call.cmd.step_key),

@@ -4,10 +4,12 @@
 //! makes it so on disk, dropping the payload and keeping identity, fingerprints and the final
 //! state, so a later matching call is answered EXPIRED, never executed as new. The expiry index
 //! orders records by expiry time, so a sweep reads only what is due.
+//!
+//! The same background pass counts the effects not settled yet ([`Ledger::open_census`]) from
+//! the open-effect index, for the gauges an operator alerts on.
 
-use super::Ledger;
-use super::Result;
 use super::records::EffectRecord;
+use super::{Ledger, Result, State};
 use crate::store::{Batch, Store, codec, keys};
 
 impl<S: Store> Ledger<S> {
@@ -42,4 +44,41 @@ impl<S: Store> Ledger<S> {
         }
         Ok(processed)
     }
+
+    /// Counts the effects not settled yet, by their state as of now (a lapsed lease counts
+    /// as unknown), reading the open-effect index and each effect it names.
+    pub fn open_census(&self) -> Result<OpenCensus> {
+        let now = self.now();
+        let mut census = OpenCensus::default();
+        let prefix = keys::open_prefix();
+        self.walk(&prefix, prefix.clone(), 256, |chunk| {
+            for (key, _) in chunk {
+                let Some((rk, seq)) = keys::decode_open(key) else {
+                    continue;
+                };
+                let Some(rec) = self.get::<EffectRecord>(&keys::effect(&rk, seq))? else {
+                    continue;
+                };
+                let lapsed = now >= rec.lease_expires_at_ms;
+                match rec.state() {
+                    State::Accepted if !lapsed => census.accepted += 1,
+                    State::Running if !lapsed => census.running += 1,
+                    _ => census.unknown += 1,
+                }
+            }
+            Ok(std::ops::ControlFlow::Continue(()))
+        })?;
+        Ok(census)
+    }
+}
+
+/// The effects not settled yet, by state (see [`Ledger::open_census`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenCensus {
+    /// Granted, lease live, no progress reported.
+    pub accepted: u64,
+    /// Granted, lease live, heartbeated.
+    pub running: u64,
+    /// Outcome unknown (a lapsed lease, or reported so): only a reconcile settles them.
+    pub unknown: u64,
 }

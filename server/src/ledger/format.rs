@@ -10,13 +10,15 @@
 //!    version.
 //! 3. Each tenant's runs are indexed by run id (`keys::tenant_run`, what `ListRuns` reads).
 //!    The migration from 1 or 2 adds the index entry of every stored run.
+//! 4. Effects not settled yet are indexed (`keys::open`, what the effect-state gauges read).
+//!    The migration from 1 to 3 adds the entry of every stored effect that is open.
 
-use super::records::RunRecord;
+use super::records::{EffectRecord, RunRecord};
 use super::{Ledger, LedgerError, Result};
 use crate::store::{Batch, Store, codec, keys};
 
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 
 /// The store's format record (key [`keys::meta`]).
 #[derive(Clone, PartialEq, prost::Message)]
@@ -70,10 +72,13 @@ impl<S: Store> Ledger<S> {
             None if self.store.scan(&[], &[], 1)?.is_empty() => FormatCheck::Created,
             None => FormatCheck::Migrated { from: 1 },
         };
-        if let FormatCheck::Migrated { from } = check
-            && from < 3
-        {
-            self.index_every_run()?;
+        if let FormatCheck::Migrated { from } = check {
+            if from < 3 {
+                self.index_every_run()?;
+            }
+            if from < 4 {
+                self.index_open_effects()?;
+            }
         }
         // The version is written last: a migration cut short runs again on the next open
         // (each of its steps may be repeated).
@@ -96,29 +101,44 @@ impl<S: Store> Ledger<S> {
         Ok(check)
     }
 
-    /// Format 3: adds every stored run to its tenant's run index, a chunk of runs per batch.
+    /// Format 3: adds every stored run to its tenant's run index.
     fn index_every_run(&self) -> Result<()> {
-        const CHUNK: usize = 1024;
-        let prefix = keys::run_prefix();
-        let mut from = prefix.clone();
-        loop {
-            let chunk = self.store.scan(&prefix, &from, CHUNK)?;
+        self.migrate_each(&keys::run_prefix(), |batch, k, v| {
+            let run: RunRecord = codec::decode(k, v)?;
+            super::runs::index_new_run(batch, &run.tenant, &run.run_id);
+            Ok(())
+        })
+    }
+
+    /// Format 4: adds every open effect to the open-effect index.
+    fn index_open_effects(&self) -> Result<()> {
+        self.migrate_each(&keys::effect_kind_prefix(), |batch, k, v| {
+            let rec: EffectRecord = codec::decode(k, v)?;
+            if let Some((rk, _)) = keys::decode_effect(k)
+                && rec.is_open()
+            {
+                batch.put(keys::open(&rk, rec.seq), Vec::new());
+            }
+            Ok(())
+        })
+    }
+
+    /// Calls `each` for every record under `prefix`, writing what it adds a chunk of records
+    /// per batch.
+    fn migrate_each(
+        &self,
+        prefix: &[u8],
+        mut each: impl FnMut(&mut Batch, &[u8], &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.walk(prefix, prefix.to_vec(), 1024, |chunk| {
             let mut batch = Batch::new();
-            for (k, v) in &chunk {
-                let run: RunRecord = codec::decode(k, v)?;
-                super::runs::index_new_run(&mut batch, &run.tenant, &run.run_id);
+            for (k, v) in chunk {
+                each(&mut batch, k, v)?;
             }
             if !batch.is_empty() {
                 self.store.write(batch)?;
             }
-            if chunk.len() < CHUNK {
-                return Ok(());
-            }
-            if let Some((mut last, _)) = chunk.into_iter().next_back() {
-                // The smallest key after it.
-                last.push(0);
-                from = last;
-            }
-        }
+            Ok(std::ops::ControlFlow::Continue(()))
+        })
     }
 }

@@ -23,13 +23,14 @@ pub mod tools;
 pub mod types;
 pub mod verify;
 
+use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use prost::Message;
 
 use crate::clock::Clock;
 use crate::store::keys::{self, RunKey};
-use crate::store::{Store, codec};
+use crate::store::{Batch, Store, codec};
 use records::{EffectRecord, RunRecord};
 pub use types::*;
 
@@ -207,11 +208,10 @@ impl<S: Store> Ledger<S> {
     fn page<T>(
         &self,
         prefix: &[u8],
-        mut from: Vec<u8>,
+        from: Vec<u8>,
         page_size: u32,
         mut item: impl FnMut(&[u8], &[u8]) -> Result<Option<(T, usize)>>,
     ) -> Result<(Vec<T>, Option<Vec<u8>>)> {
-        const CHUNK: usize = 32;
         let page_size = match page_size {
             0 => 100,
             n => n.min(1000) as usize,
@@ -219,26 +219,42 @@ impl<S: Store> Ledger<S> {
         let max_bytes = self.config.limits.max_page_bytes;
         let mut out = Vec::new();
         let mut bytes = 0usize;
-        loop {
-            let chunk = self.store.scan(prefix, &from, CHUNK)?;
-            let exhausted = chunk.len() < CHUNK;
-            for (k, v) in &chunk {
+        let mut next = None;
+        self.walk(prefix, from, 32, |chunk| {
+            for (k, v) in chunk {
                 let Some((value, size)) = item(k, v)? else {
                     continue;
                 };
                 if out.len() == page_size || (!out.is_empty() && bytes + size > max_bytes) {
-                    return Ok((out, Some(k.clone())));
+                    next = Some(k.clone());
+                    return Ok(ControlFlow::Break(()));
                 }
                 bytes += size;
                 out.push(value);
             }
-            match chunk.into_iter().next_back() {
-                Some((mut last, _)) if !exhausted => {
-                    // The smallest key after `last`.
-                    last.push(0);
-                    from = last;
-                }
-                _ => return Ok((out, None)),
+            Ok(ControlFlow::Continue(()))
+        })?;
+        Ok((out, next))
+    }
+
+    /// Walks the records under `prefix` from key `from` on, `chunk` at a time, handing each
+    /// chunk to `f` until `f` breaks or the records end.
+    fn walk(
+        &self,
+        prefix: &[u8],
+        mut from: Vec<u8>,
+        chunk: usize,
+        mut f: impl FnMut(&crate::store::Entries) -> Result<ControlFlow<()>>,
+    ) -> Result<()> {
+        loop {
+            let entries = self.store.scan(prefix, &from, chunk)?;
+            if f(&entries)?.is_break() || entries.len() < chunk {
+                return Ok(());
+            }
+            if let Some((mut last, _)) = entries.into_iter().next_back() {
+                // The smallest key after `last`.
+                last.push(0);
+                from = last;
             }
         }
     }
@@ -248,6 +264,12 @@ impl<S: Store> Ledger<S> {
             Some(bytes) => Ok(Some(codec::decode(key, &bytes)?)),
             None => Ok(None),
         }
+    }
+
+    /// Writes `rec` and keeps the open-effect index in step with its state.
+    fn put_effect(&self, batch: &mut Batch, rk: &RunKey, rec: &EffectRecord) {
+        batch.put(keys::effect(rk, rec.seq), codec::encode(rec));
+        index_open(batch, rk, rec);
     }
 
     /// Loads a run, checking it belongs to `tenant` (the key is a hash; the record is the truth).
@@ -437,6 +459,15 @@ impl EffectRecord {
         v
     }
 
+    /// Not settled yet: granted, running, or of unknown outcome (as stored; a lapsed lease
+    /// is still stored as granted). Such an effect is in the open-effect index.
+    pub fn is_open(&self) -> bool {
+        matches!(
+            self.state(),
+            State::Accepted | State::Running | State::EffectUnknown
+        )
+    }
+
     /// Drops the payload, keeping identity, fingerprints and the final state.
     pub fn make_tombstone(&mut self) {
         self.tombstone = true;
@@ -445,5 +476,14 @@ impl EffectRecord {
         self.evidence.clear();
         self.arguments_json.clear();
         self.compensation_arguments.clear();
+    }
+}
+
+/// Puts `rec` in the open-effect index or takes it out, as its state says.
+fn index_open(batch: &mut Batch, rk: &RunKey, rec: &EffectRecord) {
+    if rec.is_open() {
+        batch.put(keys::open(rk, rec.seq), Vec::new());
+    } else {
+        batch.delete(keys::open(rk, rec.seq));
     }
 }

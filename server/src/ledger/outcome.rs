@@ -100,10 +100,6 @@ impl<S: Store> Ledger<S> {
         Ok((rec, run))
     }
 
-    fn put_effect(&self, batch: &mut Batch, rk: &RunKey, rec: &EffectRecord) {
-        batch.put(keys::effect(rk, rec.seq), codec::encode(rec));
-    }
-
     /// Marks a record finished at `now`: its retention clock starts.
     fn finish(&self, batch: &mut Batch, rk: &RunKey, rec: &mut EffectRecord, now: u64) {
         rec.lease_expires_at_ms = 0;

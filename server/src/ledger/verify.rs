@@ -2,7 +2,8 @@
 //! decoded as its kind's record, and tied to the run it belongs to. What `Admin.VerifyBackup`
 //! runs over a backup; it only reads.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
 
 use prost::Message;
 
@@ -89,32 +90,32 @@ impl<S: Store> Ledger<S> {
     /// the report; a storage error (an unreadable block, a checksum mismatch) is one problem
     /// and ends the walk there, so what follows it is not counted.
     pub fn verify(&self) -> VerifyReport {
-        const CHUNK: usize = 1024;
         let mut report = VerifyReport::default();
         // Every run's next sequence number: runs sort before their effects, indexes and
         // checkpoints (key kinds 0x01 < 0x02..0x07), so each of those finds its run here.
         let mut runs: HashMap<RunKey, u64> = HashMap::new();
-        let mut from = Vec::new();
-        loop {
-            let chunk = match self.store.scan(&[], &from, CHUNK) {
-                Ok(chunk) => chunk,
-                Err(e) => {
-                    report.problem(&from, format!("the store cannot be read from here on: {e}"));
-                    return report;
-                }
-            };
-            for (key, value) in &chunk {
+        // Open effects not yet met in the open-effect index (which sorts after effects).
+        let mut open: HashSet<(RunKey, u64)> = HashSet::new();
+        let mut last = Vec::new();
+        let walked = self.walk(&[], Vec::new(), 1024, |chunk| {
+            for (key, value) in chunk {
                 report.records += 1;
-                verify_record(key, value, &mut runs, &mut report);
+                verify_record(key, value, &mut runs, &mut open, &mut report);
             }
-            if chunk.len() < CHUNK {
-                break;
+            if let Some((key, _)) = chunk.last() {
+                last.clone_from(key);
             }
-            if let Some((mut last, _)) = chunk.into_iter().next_back() {
-                // The smallest key after it.
-                last.push(0);
-                from = last;
-            }
+            Ok(ControlFlow::Continue(()))
+        });
+        if let Err(e) = walked {
+            report.problem(&last, format!("the store cannot be read past here: {e}"));
+            return report;
+        }
+        for (rk, seq) in open {
+            report.problem(
+                &keys::effect(&rk, seq),
+                "is not settled but missing from the open-effect index",
+            );
         }
         if report.format_version == 0 && report.records > 0 {
             report.problem(&keys::meta(), "no format version is recorded");
@@ -128,6 +129,7 @@ fn verify_record(
     key: &[u8],
     value: &[u8],
     runs: &mut HashMap<RunKey, u64>,
+    open: &mut HashSet<(RunKey, u64)>,
     report: &mut VerifyReport,
 ) {
     let kind = key.first().copied().unwrap_or(u8::MAX);
@@ -157,11 +159,14 @@ fn verify_record(
             }
             k if k == Kind::Effect as u8 => {
                 let rec: EffectRecord = decodes(key, value)?;
-                let Some((_, seq)) = keys::decode_effect(key) else {
+                let Some((rk, seq)) = keys::decode_effect(key) else {
                     return Err("is not an effect key".into());
                 };
                 if rec.seq != seq {
                     return Err(format!("holds effect {} under number {seq}", rec.seq));
+                }
+                if rec.is_open() {
+                    open.insert((rk, seq));
                 }
                 check_run(runs, key, Some(seq), report);
                 report.effects += 1;
@@ -200,6 +205,16 @@ fn verify_record(
             k if k == Kind::TenantRun as u8 => {
                 if keys::decode_tenant_run(key).is_none() || !value.is_empty() {
                     return Err("is not a run index entry".into());
+                }
+            }
+            k if k == Kind::Open as u8 => {
+                let Some((rk, seq)) = keys::decode_open(key).filter(|_| value.is_empty()) else {
+                    return Err("is not an open-effect index entry".into());
+                };
+                if !open.remove(&(rk, seq)) {
+                    return Err(format!(
+                        "indexes effect {seq} as open, which is settled or absent"
+                    ));
                 }
             }
             other => return Err(format!("has an unknown record kind {other:#04x}")),

@@ -43,6 +43,9 @@ pub enum Kind {
     Expiry = 0x0B,
     /// A tenant's runs, by run id: (tenant, run_id bytes) -> nothing (format 3).
     TenantRun = 0x0C,
+    /// Effects not settled yet (granted, running, or of unknown outcome): (run, sequence) ->
+    /// nothing (format 4).
+    Open = 0x0D,
 }
 
 /// A blake3 key-derivation hasher for a fixed context. Deriving the context key is a full
@@ -276,6 +279,30 @@ pub fn decode_tenant_run(key: &[u8]) -> Option<&str> {
     std::str::from_utf8(&key[17..]).ok()
 }
 
+/// An open-effect index entry.
+pub fn open(rk: &RunKey, seq: u64) -> Vec<u8> {
+    KeyBuf::new(Kind::Open, 24).bytes(rk).u64(seq).0
+}
+
+/// The whole open-effect index.
+pub fn open_prefix() -> Vec<u8> {
+    vec![Kind::Open as u8]
+}
+
+/// Decodes an open-effect index key.
+pub fn decode_open(key: &[u8]) -> Option<(RunKey, u64)> {
+    if key.len() != 25 || key[0] != Kind::Open as u8 {
+        return None;
+    }
+    let rk: RunKey = key[1..17].try_into().ok()?;
+    Some((rk, u64::from_be_bytes(key[17..25].try_into().ok()?)))
+}
+
+/// All effect records (every run's).
+pub fn effect_kind_prefix() -> Vec<u8> {
+    vec![Kind::Effect as u8]
+}
+
 /// All run records (every tenant's): what a format migration walks.
 pub fn run_prefix() -> Vec<u8> {
     vec![Kind::Run as u8]
@@ -336,6 +363,7 @@ mod tests {
             Kind::Credential,
             Kind::Expiry,
             Kind::TenantRun,
+            Kind::Open,
         ];
         for w in kinds.windows(2) {
             assert!((w[0] as u8) < (w[1] as u8));
@@ -373,6 +401,9 @@ mod tests {
             tool(&tk, "pay", 3)
         );
         assert!(run(&rk).starts_with(&run_prefix()));
+        assert!(open(&rk, 9).starts_with(&open_prefix()));
+        assert_eq!(decode_open(&open(&rk, 9)), Some((rk, 9)));
+        assert!(effect(&rk, 9).starts_with(&effect_kind_prefix()));
         // A neighbouring branch's log is not inside this branch's prefix.
         assert!(!branch_log(&rk, 3, 0).starts_with(&branch_log_prefix(&rk, 2)));
     }
