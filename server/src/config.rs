@@ -106,6 +106,13 @@ pub struct Config {
     #[arg(long, env = "FENCE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
 
+    /// Export one OpenTelemetry span per RPC over OTLP/gRPC to this collector (e.g.
+    /// http://127.0.0.1:4317), with the decision, reason, tool, class and effect id as
+    /// attributes and the caller's `traceparent` as parent. Off by default. The SDK's
+    /// `OTEL_*` variables tune the export (e.g. `OTEL_BSP_SCHEDULE_DELAY`).
+    #[arg(long, env = "FENCE_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
     /// Sequencer threads: the decisions that write (Begin, Complete, Heartbeat and their
     /// batches) are committed in groups, one WAL sync per group, by this many threads, each
     /// owning the runs that hash to it. 0 = half the cores (at least one).

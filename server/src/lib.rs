@@ -12,7 +12,8 @@
 //! - [`trace`]: W3C `traceparent` parsing and the per-RPC span that carries it;
 //! - [`metrics`]: Prometheus metrics and their admin listener;
 //! - `admin` (with the `rocksdb` feature): the `Admin` service, online backup and its
-//!   verification.
+//!   verification;
+//! - `otel` (with the `rocksdb` feature): OpenTelemetry export of the per-RPC spans.
 
 #[cfg(feature = "rocksdb")]
 pub mod admin;
@@ -23,6 +24,8 @@ pub mod config;
 pub mod convert;
 pub mod ledger;
 pub mod metrics;
+#[cfg(feature = "rocksdb")]
+pub mod otel;
 pub mod quota;
 pub mod sequencer;
 #[cfg(feature = "rocksdb")]

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 use fence_server::Config;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::prelude::*;
 
 /// mimalloc: a fifth less CPU per effect under load than glibc's malloc (docs/BENCHMARKS.md),
 /// and freed memory goes back to the system instead of staying with the process.
@@ -23,12 +24,21 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let config = Config::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
+    let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .init();
+        .with_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")));
+    let (spans, exporter) = match &config.otlp_endpoint {
+        Some(endpoint) => {
+            let (layer, exporter) =
+                fence_server::otel::layer(endpoint).map_err(anyhow::Error::msg)?;
+            (Some(layer), Some(exporter))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry().with(logs).with(spans).init();
+    if let Some(endpoint) = &config.otlp_endpoint {
+        tracing::info!(%endpoint, "exporting one span per RPC over OTLP");
+    }
 
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -53,7 +63,12 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing::info!(%addr, data_dir = %config.data_dir.display(), "fenced starting");
 
-    fence_server::serve(listener, config, shutdown_signal()).await?;
+    let served = fence_server::serve(listener, config, shutdown_signal()).await;
+    if let Some(exporter) = exporter {
+        // Blocks while the last spans are sent: off the async threads.
+        let _ = tokio::task::spawn_blocking(move || exporter.shutdown()).await;
+    }
+    served?;
     tracing::info!("fenced stopped");
     Ok(())
 }

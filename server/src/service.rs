@@ -108,6 +108,7 @@ fn finished<T>(
 ) -> Result<Response<T>, Status> {
     let code = out.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
     crate::metrics::rpc(method, started, code);
+    crate::trace::record_status(code);
     out.map(Response::new)
 }
 
@@ -305,6 +306,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             let cmd = BeginCmd::try_from(r)?;
             let begun = l.begin(t, &cmd)?;
             crate::metrics::decision(&begun.decision);
+            crate::trace::record_begin(&cmd, &begun.decision);
             tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
             Ok(convert::begin_response(begun))
         })

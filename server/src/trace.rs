@@ -91,23 +91,114 @@ fn hex_u8(s: &str) -> Option<u8> {
     u8::from_str_radix(lower_hex(s)?, 16).ok()
 }
 
-/// The span of one gRPC request: its path, and the caller's trace when it sent a valid
-/// `traceparent`. Debug level, so that at the default log level it costs nothing.
+/// The span of one RPC (tonic's `trace_fn`): the RPC, the caller's trace when its
+/// `traceparent` is valid, and the fields the handler records once it knows them (the
+/// decision, reason, tool, class and effect id; gen_ai's `execute_tool` names where they fit).
+/// `otel.*` fields name and classify the span for OpenTelemetry (see `fenced --otlp-endpoint`).
+/// A debug span: with neither debug logs nor trace export on, it is disabled and costs one
+/// filter check.
 pub fn rpc_span(request: &tonic::codegen::http::Request<()>) -> tracing::Span {
+    use tracing::field::Empty;
     let path = request.uri().path();
+    // "/fence.v1.Fence/Begin" -> ("fence.v1.Fence", "Begin").
+    let (service, method) = path
+        .trim_start_matches('/')
+        .split_once('/')
+        .unwrap_or(("", path));
     let parent = request
         .headers()
         .get(TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse);
-    match parent {
-        Some(p) => tracing::debug_span!(
-            "fence.rpc",
-            rpc = path,
-            trace_id = %format_args!("{:032x}", p.trace_id),
-            parent_span_id = %format_args!("{:016x}", p.parent_id),
-        ),
-        None => tracing::debug_span!("fence.rpc", rpc = path),
+    let span = tracing::debug_span!(
+        "fence.rpc",
+        rpc = path,
+        trace_id = Empty,
+        parent_span_id = Empty,
+        otel.name = path.trim_start_matches('/'),
+        otel.kind = "server",
+        otel.status_code = Empty,
+        rpc.system = "grpc",
+        rpc.service = service,
+        rpc.method = method,
+        rpc.grpc.status_code = Empty,
+        gen_ai.operation.name = Empty,
+        gen_ai.tool.name = Empty,
+        gen_ai.tool.call.id = Empty,
+        fence.run_id = Empty,
+        fence.decision = Empty,
+        fence.reason = Empty,
+        fence.tool.class = Empty,
+        fence.effect_id = Empty,
+    );
+    if let Some(p) = parent
+        && !span.is_disabled()
+    {
+        span.record("trace_id", p.trace_id_hex());
+        span.record("parent_span_id", p.parent_id_hex());
+        #[cfg(feature = "rocksdb")]
+        crate::otel::set_remote_parent(&span, &p);
+    }
+    span
+}
+
+/// Records a Begin's call and decision on the current RPC span (see [`rpc_span`]).
+pub fn record_begin(cmd: &crate::ledger::BeginCmd, decision: &crate::ledger::Decision) {
+    use crate::ledger::Decision as D;
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    span.record("gen_ai.operation.name", "execute_tool");
+    span.record("gen_ai.tool.name", cmd.tool.as_str());
+    if !cmd.step_key.is_empty() {
+        span.record("gen_ai.tool.call.id", cmd.step_key.as_str());
+    }
+    span.record("fence.run_id", cmd.run_id.as_str());
+    let (kind, receipt) = match decision {
+        D::Execute { receipt, .. } => ("execute", Some(&**receipt)),
+        D::Replay(receipt) => ("replay", Some(&**receipt)),
+        D::InProgress { receipt, .. } => ("in_progress", Some(&**receipt)),
+        D::Refused(r) => {
+            span.record(
+                "fence.reason",
+                fence_proto::v1::ReasonCode::try_from(r.reason.code())
+                    .map_or("UNKNOWN", |c| c.as_str_name()),
+            );
+            ("refused", r.receipt.as_deref())
+        }
+    };
+    span.record("fence.decision", kind);
+    if let Some(rec) = receipt {
+        span.record("fence.effect_id", rec.id().to_string());
+        span.record(
+            "fence.tool.class",
+            fence_proto::v1::OperationClass::try_from(rec.class)
+                .map_or("UNKNOWN", |c| c.as_str_name()),
+        );
+    }
+}
+
+/// Records an RPC's gRPC status on the current RPC span.
+pub fn record_status(code: tonic::Code) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    span.record("rpc.grpc.status_code", code as i32);
+    // OpenTelemetry's gRPC conventions: a server span is an error only for these codes (the
+    // others are the caller's to judge).
+    use tonic::Code as C;
+    if matches!(
+        code,
+        C::Unknown
+            | C::DeadlineExceeded
+            | C::Unimplemented
+            | C::Internal
+            | C::Unavailable
+            | C::DataLoss
+    ) {
+        span.record("otel.status_code", "ERROR");
     }
 }
 

@@ -16,11 +16,17 @@ pub struct Fenced {
 impl Fenced {
     /// Starts `fenced --listen 127.0.0.1:0 --data-dir DATA ARGS...` and reads its address line.
     pub fn start(data: &Path, args: &[&str]) -> Fenced {
+        Fenced::start_with_env(data, args, &[])
+    }
+
+    /// [`Fenced::start`] with extra environment variables.
+    pub fn start_with_env(data: &Path, args: &[&str], env: &[(&str, &str)]) -> Fenced {
         let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
             .args(["--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data)
             .args(args)
             .env("RUST_LOG", "error")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -45,6 +51,16 @@ impl Fenced {
             self.stdout.as_mut().expect("stdout is open"),
             "fenced metrics on ",
         )
+    }
+
+    /// Asks it to stop (SIGTERM) and waits until it has: it drains and flushes first.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -TERM failed");
+        self.child.wait().unwrap()
     }
 
     /// Closes our end of its stdout, as a launcher that read only the address line does.
