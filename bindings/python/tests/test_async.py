@@ -193,3 +193,18 @@ def test_async_batches(server: Any, tenant: str, run_id: str) -> None:
             assert all(isinstance(r.decision, Replay) for r in replays)
 
     asyncio.run(scenario())
+
+
+def test_async_client_lists_runs_and_tools(server: Any, tenant: str, run_id: str) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(server.addr, tenant=tenant, timeout=20) as client:
+            await client.register_tool("pay", OperationClass.NON_RETRYABLE)
+            for suffix in ("b", "a"):
+                await client.start_run(f"{run_id}-{suffix}")
+            runs = [r.run_id async for r in client.iter_runs(run_id_prefix=run_id, page_size=1)]
+            assert runs == [f"{run_id}-a", f"{run_id}-b"]
+            page = await client.list_runs(run_id_prefix=f"{run_id}-b")
+            assert [r.run_id for r in page.runs] == [f"{run_id}-b"] and page.next_page_token == ""
+            assert [t.name async for t in client.iter_tools()] == ["pay"]
+
+    asyncio.run(scenario())

@@ -366,3 +366,29 @@ def test_batch_answers_each_call_as_if_sent_alone(client: fence.Client, run_id: 
     with pytest.raises(FenceRpcError) as empty:
         client.begin_batch([])
     assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_runs_and_tools_are_listed_page_by_page(client: fence.Client, run_id: str) -> None:
+    register_transfer(client)
+    client.register_tool(fence.ToolSpec(name="kb.search", cls=OperationClass.SAFE_RETRY))
+    for suffix in ("c", "a", "b"):
+        client.start_run(f"{run_id}-{suffix}")
+    client.start_run("other-run")
+
+    # Run-id order, a prefix, and pages of two that follow on from each other.
+    first = client.list_runs(run_id_prefix=run_id, page_size=2)
+    assert [r.run_id for r in first.runs] == [f"{run_id}-a", f"{run_id}-b"]
+    assert first.next_page_token
+    rest = client.list_runs(run_id_prefix=run_id, page_size=2, page_token=first.next_page_token)
+    assert [r.run_id for r in rest.runs] == [f"{run_id}-c"] and rest.next_page_token == ""
+    assert [r.run_id for r in client.iter_runs(page_size=1)] == [
+        "other-run",
+        f"{run_id}-a",
+        f"{run_id}-b",
+        f"{run_id}-c",
+    ]
+    assert all(r.epoch == 1 and r.branches[0].name == "main" for r in client.iter_runs())
+
+    tools = {t.name: t for t in client.iter_tools(page_size=1)}
+    assert set(tools) == {TRANSFER, "kb.search"}
+    assert tools["kb.search"].cls == OperationClass.SAFE_RETRY and tools["kb.search"].version == 1

@@ -51,10 +51,12 @@ from .types import (
     RestoreResult,
     Run,
     RunInfo,
+    RunsPage,
     StartedRun,
     StringNormalization,
     ToolRegistration,
     ToolSpec,
+    ToolsPage,
 )
 
 __version__ = "0.1.0"
@@ -102,11 +104,13 @@ __all__ = [
     "RestoreResult",
     "Run",
     "RunInfo",
+    "RunsPage",
     "StartedRun",
     "StatusDetails",
     "StringNormalization",
     "ToolRegistration",
     "ToolSpec",
+    "ToolsPage",
     "WaitPolicy",
     "current_execution",
     "fenced",

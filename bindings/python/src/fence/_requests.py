@@ -227,6 +227,14 @@ def get_tool(name: str, version: int) -> Rpc:
     )
 
 
+def list_tools(page_size: int, page_token: str) -> Rpc:
+    return Rpc(
+        "ListTools",
+        pb.ListToolsRequest(page_size=page_size, page_token=page_token),
+        lambda r: t.ToolsPage(tuple(t.ToolSpec.from_proto(x) for x in r.tools), r.next_page_token),
+    )
+
+
 def start_run(run: RunLike) -> Rpc:
     def convert(r: pb.StartRunResponse) -> t.StartedRun:
         started = t.StartedRun(t.RunInfo.from_proto(r.run), r.created)
@@ -241,6 +249,14 @@ def start_run(run: RunLike) -> Rpc:
 def get_run(run: RunLike) -> Rpc:
     return Rpc(
         "GetRun", pb.GetRunRequest(run_id=run_id_of(run)), lambda r: t.RunInfo.from_proto(r.run)
+    )
+
+
+def list_runs(run_id_prefix: str, page_size: int, page_token: str) -> Rpc:
+    return Rpc(
+        "ListRuns",
+        pb.ListRunsRequest(run_id_prefix=run_id_prefix, page_size=page_size, page_token=page_token),
+        lambda r: t.RunsPage(tuple(t.RunInfo.from_proto(x) for x in r.runs), r.next_page_token),
     )
 
 

@@ -133,6 +133,22 @@ class AsyncClient:
         """A tool's current definition (or the given version)."""
         return await self._call(rq.get_tool(name, version))
 
+    async def list_tools(self, *, page_size: int = 0, page_token: str = "") -> t.ToolsPage:
+        """One page of the registered tools, each at its current version."""
+        return await self._call(rq.list_tools(page_size, page_token))
+
+    async def iter_tools(self, *, page_size: int = 0) -> AsyncIterator[t.ToolSpec]:
+        """Every registered tool (current versions), following page tokens; in the server's
+        stable order, not by name."""
+        token = ""
+        while True:
+            page = await self.list_tools(page_size=page_size, page_token=token)
+            for tool in page.tools:
+                yield tool
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
     # -- runs -------------------------------------------------------------------------------
 
     async def start_run(self, run: rq.RunLike) -> t.StartedRun:
@@ -142,6 +158,29 @@ class AsyncClient:
     async def get_run(self, run: rq.RunLike) -> t.RunInfo:
         """A run's epoch, branches, checkpoints and restore history."""
         return await self._call(rq.get_run(run))
+
+    async def list_runs(
+        self, *, run_id_prefix: str = "", page_size: int = 0, page_token: str = ""
+    ) -> t.RunsPage:
+        """One page of the tenant's runs in run-id order (those whose id starts with
+        ``run_id_prefix``)."""
+        return await self._call(rq.list_runs(run_id_prefix, page_size, page_token))
+
+    async def iter_runs(
+        self, *, run_id_prefix: str = "", page_size: int = 0
+    ) -> AsyncIterator[t.RunInfo]:
+        """Every run of the tenant whose id starts with ``run_id_prefix``, following page
+        tokens."""
+        token = ""
+        while True:
+            page = await self.list_runs(
+                run_id_prefix=run_id_prefix, page_size=page_size, page_token=token
+            )
+            for run in page.runs:
+                yield run
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
 
     async def checkpoint(
         self,

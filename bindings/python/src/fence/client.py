@@ -103,6 +103,21 @@ class Client:
         """A tool's current definition (or the given version)."""
         return self._call(rq.get_tool(name, version))
 
+    def list_tools(self, *, page_size: int = 0, page_token: str = "") -> t.ToolsPage:
+        """One page of the registered tools, each at its current version."""
+        return self._call(rq.list_tools(page_size, page_token))
+
+    def iter_tools(self, *, page_size: int = 0) -> Iterator[t.ToolSpec]:
+        """Every registered tool (current versions), following page tokens; in the server's
+        stable order, not by name."""
+        token = ""
+        while True:
+            page = self.list_tools(page_size=page_size, page_token=token)
+            yield from page.tools
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
     # -- runs -------------------------------------------------------------------------------
 
     def start_run(self, run: rq.RunLike) -> t.StartedRun:
@@ -112,6 +127,24 @@ class Client:
     def get_run(self, run: rq.RunLike) -> t.RunInfo:
         """A run's epoch, branches, checkpoints and restore history."""
         return self._call(rq.get_run(run))
+
+    def list_runs(
+        self, *, run_id_prefix: str = "", page_size: int = 0, page_token: str = ""
+    ) -> t.RunsPage:
+        """One page of the tenant's runs in run-id order (those whose id starts with
+        ``run_id_prefix``)."""
+        return self._call(rq.list_runs(run_id_prefix, page_size, page_token))
+
+    def iter_runs(self, *, run_id_prefix: str = "", page_size: int = 0) -> Iterator[t.RunInfo]:
+        """Every run of the tenant whose id starts with ``run_id_prefix``, following page
+        tokens."""
+        token = ""
+        while True:
+            page = self.list_runs(run_id_prefix=run_id_prefix, page_size=page_size, page_token=token)
+            yield from page.runs
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
 
     def checkpoint(
         self,

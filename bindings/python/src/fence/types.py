@@ -40,10 +40,12 @@ __all__ = [
     "RestoreResult",
     "Run",
     "RunInfo",
+    "RunsPage",
     "StartedRun",
     "StringNormalization",
     "ToolRegistration",
     "ToolSpec",
+    "ToolsPage",
 ]
 
 
@@ -586,6 +588,23 @@ class EffectsPage:
     """One page of ListEffects."""
 
     effects: tuple[Receipt, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True)
+class RunsPage:
+    """One page of ListRuns: runs in run-id order, without their checkpoints and restores
+    (``get_run`` has those)."""
+
+    runs: tuple[RunInfo, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True)
+class ToolsPage:
+    """One page of ListTools: registered tools at their current version."""
+
+    tools: tuple[ToolSpec, ...]
     next_page_token: str
 
 
