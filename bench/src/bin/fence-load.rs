@@ -35,6 +35,10 @@ struct Common {
     /// The `fenced` binary (default: next to this executable, or $FENCED).
     #[arg(long)]
     fenced: Option<PathBuf>,
+    /// An extra argument for `fenced` (repeat it for more), e.g. `--fenced-arg=--metrics-listen
+    /// --fenced-arg=127.0.0.1:0` to measure the cost of metrics.
+    #[arg(long = "fenced-arg", allow_hyphen_values = true)]
+    fenced_args: Vec<String>,
     /// Directory for the server's data and the fdatasync floor (the disk under test).
     /// Default: a new directory under `target/`.
     #[arg(long)]
@@ -138,7 +142,7 @@ async fn start_fenced(common: &Common, data: &Path, log: &Path) -> Result<Fenced
     let fenced = Fenced::start(
         binary,
         data.to_path_buf(),
-        Vec::new(),
+        common.fenced_args.clone(),
         log.to_path_buf(),
         common.connections,
     )
