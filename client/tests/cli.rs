@@ -145,7 +145,7 @@ async fn an_operator_finds_and_settles_an_unknown_outcome() {
     assert!(stdout(&table).contains("after-b"), "{}", stdout(&table));
 
     // The audit trail: both effects in recording order, with arguments and evidence.
-    let export = fence(&["--url", &url, "export", &run]).await;
+    let export = fence(&["--url", &url, "export", &run, "--format", "jsonl"]).await;
     assert!(export.status.success(), "{export:?}");
     let trail: Vec<serde_json::Value> = stdout(&export)
         .lines()
@@ -194,6 +194,9 @@ async fn exit_codes_say_what_went_wrong() {
     let bad = fence(&["--url", &url, "effects", "list", "r", "--state", "gone"]).await;
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a state"));
+    // A format export does not write: usage, 2.
+    let csv = fence(&["--url", &url, "export", "r", "--format", "csv"]).await;
+    assert_eq!(csv.status.code(), Some(2), "{csv:?}");
     // Nobody listening: 3.
     let down = fence(&["--url", "http://127.0.0.1:9", "health"]).await;
     assert_eq!(down.status.code(), Some(3), "{down:?}");
@@ -373,4 +376,45 @@ async fn tools_are_registered_from_a_file_and_listed() {
     }
     let c = srv.client().await;
     assert_eq!(c.list_tools().await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn tokens_are_checked_and_backups_need_an_admin_token() {
+    let srv = TestServer::start_with(|config, dir| {
+        let tokens = dir.join("tokens");
+        std::fs::write(
+            &tokens,
+            format!(
+                "acme {}\nops {} admin\n",
+                fence_server::auth::Auth::hash_token("tok-acme"),
+                fence_server::auth::Auth::hash_token("tok-ops")
+            ),
+        )
+        .unwrap();
+        config.auth_tokens_file = Some(tokens);
+    })
+    .await;
+    let url = srv.url();
+    let scratch = tempfile::tempdir().unwrap();
+    let backup = scratch.path().join("b1");
+    let backup = backup.to_str().unwrap();
+
+    let bad = fence(&["--url", &url, "--token", "nope", "runs", "list"]).await;
+    assert_eq!(bad.status.code(), Some(1), "{bad:?}");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown token"));
+    let listed = fence(&["--url", &url, "--token", "tok-acme", "runs", "list"]).await;
+    assert!(listed.status.success(), "{listed:?}");
+
+    let tenant_token = fence(&[
+        "--url", &url, "--token", "tok-acme", "backup", "create", backup,
+    ])
+    .await;
+    assert_eq!(tenant_token.status.code(), Some(1), "{tenant_token:?}");
+    assert!(String::from_utf8_lossy(&tenant_token.stderr).contains("Admin service"));
+    assert!(!std::path::Path::new(backup).exists());
+    let admin = fence(&[
+        "--url", &url, "--token", "tok-ops", "backup", "create", backup,
+    ])
+    .await;
+    assert!(admin.status.success(), "{admin:?}");
 }

@@ -7,7 +7,7 @@
 //! fence run show RUN [--json]
 //! fence effects list RUN [--branch B] [--state effect_unknown] [--json]
 //! fence effect show EFFECT_ID [--json]
-//! fence export RUN   # the run's audit trail: every effect on every branch, one JSON per line
+//! fence export RUN [--format jsonl]   # the audit trail: every effect on every branch, one JSON per line
 //! fence tools list [--json]
 //! fence tools show NAME [--version N] [--json]
 //! fence tools register FILE   # a JSON tool definition, or an array of them ("-": stdin)
@@ -89,6 +89,9 @@ enum Command {
     Export {
         /// The run.
         run_id: String,
+        /// The output format: `jsonl`, one JSON object per effect and line (the only one).
+        #[arg(long, default_value = "jsonl", value_parser = ["jsonl"])]
+        format: String,
     },
     /// Back the whole ledger up while the server serves, or verify a backup (needs an admin
     /// token in token mode).
@@ -522,7 +525,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
             Ok(())
         }
-        Command::Export { run_id } => {
+        Command::Export { run_id, format: _ } => {
             // Listed in sequence order: the order Fence recorded them.
             for r in &client.list_effects(&EffectFilter::run(run_id)).await? {
                 let mut line = receipt_json(r);
