@@ -268,7 +268,7 @@ fn setup_props() -> Harness {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(32), ..ProptestConfig::default() })]
 
     /// Any sequence of calls, cut into batches anywhere and completed in batches, leaves the
     /// same answers and the same ledger, byte for byte, as the calls sent one by one.

@@ -433,11 +433,7 @@ fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    // 64 cases in CI; PROPTEST_CASES=N runs more (a search for a rare interleaving).
-    #![proptest_config(ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(64),
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(ProptestConfig { cases: cases(64), ..ProptestConfig::default() })]
 
     #[test]
     fn retries_restores_and_late_checkpoints_never_execute_a_call_twice(

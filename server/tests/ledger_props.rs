@@ -73,7 +73,7 @@ fn args(intent: u8, drift: u32) -> String {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(48), ..ProptestConfig::default() })]
 
     #[test]
     fn grants_are_exclusive_and_results_are_never_lost(ops in prop::collection::vec(op(), 1..40)) {
@@ -237,7 +237,7 @@ fn lineage_effects(h: &Harness, branch: u32) -> (Vec<EffectRecord>, Vec<EffectRe
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(48), ..ProptestConfig::default() })]
 
     #[test]
     fn no_intent_executes_twice_on_a_lineage_and_no_credential_overspends(ops in prop::collection::vec(hop(), 1..40)) {

@@ -71,6 +71,15 @@ impl Harness {
     }
 }
 
+/// Cases of a property test: `default` in CI, `PROPTEST_CASES` when set (a longer search for a
+/// rare interleaving).
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(default)
+}
+
 pub fn call(run: &str, tool: &str, args: &str) -> BeginCmd {
     BeginCmd {
         run_id: run.into(),
