@@ -14,7 +14,10 @@ use proptest::prelude::*;
 const PAY: &str = "bank.transfer";
 
 fn setup() -> Harness {
-    let h = harness();
+    with_tools(harness())
+}
+
+fn with_tools(h: Harness) -> Harness {
     h.tool(PAY, OpClass::NonRetryable, &["ts"]);
     h
 }
@@ -95,7 +98,7 @@ fn a_batch_decides_each_call_exactly_as_if_sent_alone_in_order() {
 
 #[test]
 fn everything_a_batch_answered_is_on_disk_when_it_returns() {
-    let Harness { ledger, dir, .. } = setup();
+    let Harness { ledger, dir, .. } = with_tools(rocksdb_harness());
     let answers = ledger.begin_many(T, &mixed_calls()).unwrap();
     let granted: Vec<_> = answers
         .into_iter()

@@ -10,22 +10,76 @@ use fence_server::ledger::records::EffectRecord;
 use fence_server::ledger::{
     BeginCmd, Decision, Ledger, LedgerConfig, LedgerError, OpClass, Reason, Refusal, ToolDef,
 };
-use fence_server::store::{RocksStore, Store, StoreOptions};
+use fence_server::store::{Batch, Entries, MemStore, RocksStore, Store, StoreError, StoreOptions};
 
 pub const T: &str = "tenant-a";
 pub const LEASE: u64 = 10_000;
 pub const RETENTION: u64 = 3_600_000;
 
+/// The store under a test ledger: RocksDB in a temp dir, or, with `FENCE_TEST_STORE=mem`, the
+/// in-memory store, so that every ledger rule is shown to hold whatever the storage engine
+/// (`scripts/test.sh` runs the ledger suites both ways).
+pub enum TestStore {
+    Rocks(RocksStore),
+    Mem(MemStore),
+}
+
+impl TestStore {
+    fn store(&self) -> &dyn Store {
+        match self {
+            TestStore::Rocks(s) => s,
+            TestStore::Mem(s) => s,
+        }
+    }
+}
+
+impl Store for TestStore {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.store().get(key)
+    }
+    fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError> {
+        self.store().scan(prefix, from, limit)
+    }
+    fn write(&self, batch: Batch) -> Result<(), StoreError> {
+        self.store().write(batch)
+    }
+    fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
+        self.store().deferred(f)
+    }
+    fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
+        self.store().write_unsynced(batch)
+    }
+}
+
 pub struct Harness {
-    pub ledger: Ledger<RocksStore>,
+    pub ledger: Ledger<TestStore>,
     pub clock: ManualClock,
     pub dir: tempfile::TempDir,
 }
 
+/// A ledger over the store `FENCE_TEST_STORE` names (RocksDB by default; see [`TestStore`]).
 pub fn harness() -> Harness {
+    let mem = match std::env::var("FENCE_TEST_STORE").as_deref() {
+        Ok("mem") => true,
+        Ok("rocksdb") | Err(_) => false,
+        Ok(other) => panic!("FENCE_TEST_STORE={other:?}: use rocksdb or mem"),
+    };
+    harness_on(mem)
+}
+
+/// A ledger over RocksDB whatever `FENCE_TEST_STORE` says: for tests of what is on disk.
+pub fn rocksdb_harness() -> Harness {
+    harness_on(false)
+}
+
+fn harness_on(mem: bool) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(1_700_000_000_000);
-    let store = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+    let store = if mem {
+        TestStore::Mem(MemStore::new())
+    } else {
+        TestStore::Rocks(RocksStore::open(dir.path(), &StoreOptions::default()).unwrap())
+    };
     let config = LedgerConfig {
         default_lease_ms: LEASE,
         default_retention_ms: RETENTION,
