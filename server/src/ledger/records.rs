@@ -150,6 +150,12 @@ pub struct CheckpointRecord {
     /// recorded before the field existed.
     #[prost(uint64, repeated, tag = "9")]
     pub due_seqs: Vec<u64>,
+    /// The branch's log length when it was taken. Entries between `position` and this that
+    /// are neither due nor after the checkpoint were re-issued before it (a restored agent
+    /// answered from its tape): on the agent's line at this point. 0 in checkpoints recorded
+    /// before the field existed.
+    #[prost(uint64, tag = "10")]
+    pub log_length: u64,
 }
 
 /// One restore.

@@ -14,7 +14,7 @@
 
 use super::begin::new_run;
 use super::records::{
-    BranchRecord, CheckpointRecord, EffectRecord, IndexEntry, RestoreRecord, RunRecord,
+    Adoption, BranchRecord, CheckpointRecord, EffectRecord, IndexEntry, RestoreRecord, RunRecord,
 };
 use super::{
     Ledger, LedgerError, MAIN_BRANCH, OpClass, Reason, Recovery, Refusal, Result, check_epoch,
@@ -286,6 +286,7 @@ impl<S: Store> Ledger<S> {
             branch_name: b.name.clone(),
             parent_checkpoint_id: cmd.parent_checkpoint_id.clone(),
             due_seqs: b.tape_seqs.iter().chain(&b.carried_seqs).copied().collect(),
+            log_length: b.length,
         };
         run.checkpoint_count += 1;
         let b = &mut run.branches[branch as usize];
@@ -564,21 +565,35 @@ impl<S: Store> Ledger<S> {
             });
         }
         // Carried: the parent's log from the fork point (its own effects and those it adopted),
-        // then everything else done after that point: see `done_after`.
-        let mut carried: Vec<(EffectRecord, u32)> = self
-            .branch_log_from(&rk, cp.branch, cp.position)?
-            .into_iter()
-            .map(|(rec, _)| (rec, cp.branch))
-            .collect();
+        // then everything else done after that point: see `done_after`. Except what the agent
+        // had re-issued before the checkpoint while a tape was due (it sits in the log past the
+        // checkpoint's position, which is the first due entry's): that is on the new branch's
+        // line, so it is adopted into its log instead.
+        let mut carried: Vec<(EffectRecord, u32)> = Vec::new();
+        let mut reissued: Vec<EffectRecord> = Vec::new();
+        let mut causal = Causal::new(self.ancestors(&rk, &cp)?);
+        for (rec, position) in self.branch_log_from(&rk, cp.branch, cp.position)? {
+            if position < cp.log_length
+                && !cp.due_seqs.contains(&rec.seq)
+                && !self.causally_after(&rk, &rec, &cp, &mut causal)?
+            {
+                reissued.push(rec);
+            } else {
+                carried.push((rec, cp.branch));
+            }
+        }
         let mut lineage = run.lineage(cp.branch);
         // The new branch's lineage: the parent up to the fork point, then its ancestors.
         lineage[0].1 = cp.position;
         for (rec, source) in self.done_after(&rk, &run, cp.branch, cp.position)? {
-            if !rec.visible_on(&lineage) && !carried.iter().any(|(r, _)| r.seq == rec.seq) {
+            if !rec.visible_on(&lineage)
+                && !carried.iter().any(|(r, _)| r.seq == rec.seq)
+                && !reissued.iter().any(|r| r.seq == rec.seq)
+            {
                 carried.push((rec, source));
             }
         }
-        let branch = BranchRecord {
+        let mut branch = BranchRecord {
             name,
             parent: Some(cp.branch),
             fork_position: cp.position,
@@ -590,8 +605,36 @@ impl<S: Store> Ledger<S> {
             carried_sources: carried.iter().map(|(_, s)| *s).collect(),
             ..Default::default()
         };
-        run.branches.push(branch.clone());
         let mut batch = Batch::new();
+        let index = run.branches.len() as u32;
+        // The re-issued effects open the new branch's log, in the parent's order, indexed by
+        // step key and intent there (the n-th of an intent as its n-th occurrence).
+        let mut occurrences: std::collections::HashMap<Vec<u8>, u32> =
+            std::collections::HashMap::new();
+        for mut rec in reissued {
+            let position = branch.length;
+            let entry = codec::encode(&IndexEntry {
+                seq: rec.seq,
+                position,
+                tool_version: rec.tool_version,
+            });
+            batch.put(keys::branch_log(&rk, index, position), entry.clone());
+            if !rec.step_key.is_empty() {
+                batch.put(keys::step(&rk, index, &rec.step_key), entry.clone());
+            }
+            if let Ok(fp) = <[u8; 32]>::try_from(&rec.intent_fp[..]) {
+                let n = occurrences.entry(rec.intent_fp.clone()).or_insert(0);
+                *n += 1;
+                batch.put(keys::intent(&rk, index, &fp, *n), entry);
+            }
+            rec.adopted.push(Adoption {
+                branch: index,
+                position,
+            });
+            batch.put(keys::effect(&rk, rec.seq), codec::encode(&rec));
+            branch.length += 1;
+        }
+        run.branches.push(branch.clone());
         batch.put(keys::run(&rk), codec::encode(&run));
         self.store.write(batch)?;
         Ok(Forked {
