@@ -5,34 +5,15 @@
 
 mod common;
 
-use std::process::Output;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::TestServer;
+use common::{TestServer, fence_cli};
 use fence_client::{Completion, Decision, EffectCall, EffectState, OutcomeKey};
 
 /// An acknowledged completion: the effect and its result.
 type Acked = (String, Vec<u8>);
-
-async fn fence(args: Vec<String>) -> Output {
-    tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_fence"))
-            .args(&args)
-            .env_remove("FENCE_URL")
-            .env_remove("FENCE_TOKEN")
-            .env_remove("FENCE_TENANT")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap()
-}
-
-fn args(list: &[&str]) -> Vec<String> {
-    list.iter().map(|a| a.to_string()).collect()
-}
 
 /// Copies the directory tree `from` into a new `to`.
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
@@ -110,7 +91,7 @@ async fn a_backup_taken_under_load_holds_every_acknowledged_completion() {
     let before: Vec<Acked> = acked.lock().unwrap().clone();
     let dir = scratch.path().join("backup-1");
     let dir = dir.to_str().unwrap();
-    let created = fence(args(&["--url", &url, "backup", "create", dir, "--json"])).await;
+    let created = fence_cli(&["--url", &url, "backup", "create", dir, "--json"]).await;
     assert!(created.status.success(), "{created:?}");
     let during = acked.lock().unwrap().len();
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -164,7 +145,7 @@ async fn a_backup_taken_under_load_holds_every_acknowledged_completion() {
     assert_eq!(client.get_credential(b"approval-1").await.unwrap().uses, 1);
 
     // Verify: the sound copy passes...
-    let verified = fence(args(&["--url", &url, "backup", "verify", dir])).await;
+    let verified = fence_cli(&["--url", &url, "backup", "verify", dir]).await;
     assert!(verified.status.success(), "{verified:?}");
     assert!(String::from_utf8_lossy(&verified.stdout).contains("problem_count    0"));
     // ...a damaged one does not (a flipped byte in a table file's first data block).
@@ -180,10 +161,7 @@ async fn a_backup_taken_under_load_holds_every_acknowledged_completion() {
     bytes[100] ^= 0xff;
     std::fs::write(&table, bytes).unwrap();
     let damaged = damaged.to_str().unwrap();
-    let found = fence(args(&[
-        "--url", &url, "backup", "verify", damaged, "--json",
-    ]))
-    .await;
+    let found = fence_cli(&["--url", &url, "backup", "verify", damaged, "--json"]).await;
     assert_eq!(found.status.code(), Some(5), "{found:?}");
     let report: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&found.stdout).trim()).unwrap();
@@ -191,19 +169,12 @@ async fn a_backup_taken_under_load_holds_every_acknowledged_completion() {
 
     // Usage and refusals: a relative path (2), an existing directory (1, nothing written),
     // a directory that is not there (4).
-    let relative = fence(args(&["--url", &url, "backup", "create", "backups/x"])).await;
+    let relative = fence_cli(&["--url", &url, "backup", "create", "backups/x"]).await;
     assert_eq!(relative.status.code(), Some(2), "{relative:?}");
-    let exists = fence(args(&["--url", &url, "backup", "create", dir])).await;
+    let exists = fence_cli(&["--url", &url, "backup", "create", dir]).await;
     assert_eq!(exists.status.code(), Some(1), "{exists:?}");
     assert!(String::from_utf8_lossy(&exists.stderr).contains("already exists"));
     let missing = scratch.path().join("never-written");
-    let missing = fence(args(&[
-        "--url",
-        &url,
-        "backup",
-        "verify",
-        missing.to_str().unwrap(),
-    ]))
-    .await;
+    let missing = fence_cli(&["--url", &url, "backup", "verify", missing.to_str().unwrap()]).await;
     assert_eq!(missing.status.code(), Some(4), "{missing:?}");
 }

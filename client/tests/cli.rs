@@ -9,21 +9,7 @@ use std::time::Duration;
 use common::TestServer;
 use fence_client::{Completion, Decision, EffectCall};
 
-/// Runs `fence` with `args` (in a blocking thread: the server runs on this test's runtime).
-async fn fence(args: &[&str]) -> Output {
-    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_fence"))
-            .args(&args)
-            .env_remove("FENCE_URL")
-            .env_remove("FENCE_TOKEN")
-            .env_remove("FENCE_TENANT")
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap()
-}
+use common::fence_cli as fence;
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()

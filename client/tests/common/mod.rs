@@ -305,3 +305,20 @@ impl Service<http::Request<tonic::body::Body>> for Faults {
         })
     }
 }
+
+/// Runs the `fence` command line with `args` (in a blocking thread: the server may run on the
+/// test's runtime), with none of its environment variables set.
+pub async fn fence_cli(args: &[&str]) -> std::process::Output {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_fence"))
+            .args(&args)
+            .env_remove("FENCE_URL")
+            .env_remove("FENCE_TOKEN")
+            .env_remove("FENCE_TENANT")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}

@@ -194,17 +194,7 @@ impl RocksStore {
         let path = path.as_ref().to_path_buf();
         let db = open_db(&path, opts)?;
         let losses = report_recovery(&path);
-        Ok(Self {
-            db: RwLock::new(Some(db)),
-            needs_reopen: AtomicBool::new(false),
-            generation: AtomicU64::new(0),
-            path,
-            opts: opts.clone(),
-            deferral: Deferral::default(),
-            losses: Mutex::new(losses),
-            read_only: AtomicBool::new(false),
-            inspect_only: false,
-        })
+        Ok(Self::with_db_open(db, path, opts, losses, false))
     }
 
     /// Opens an existing store read-only (a backup, or a data dir to inspect): nothing in the
@@ -213,17 +203,27 @@ impl RocksStore {
     pub fn open_read_only(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let db = open_db_read_only(&path, opts)?;
-        Ok(Self {
+        Ok(Self::with_db_open(db, path, opts, Vec::new(), true))
+    }
+
+    fn with_db_open(
+        db: DB,
+        path: PathBuf,
+        opts: &StoreOptions,
+        losses: Vec<String>,
+        inspect_only: bool,
+    ) -> Self {
+        Self {
             db: RwLock::new(Some(db)),
             needs_reopen: AtomicBool::new(false),
             generation: AtomicU64::new(0),
             path,
             opts: opts.clone(),
             deferral: Deferral::default(),
-            losses: Mutex::new(Vec::new()),
-            read_only: AtomicBool::new(true),
-            inspect_only: true,
-        })
+            losses: Mutex::new(losses),
+            read_only: AtomicBool::new(inspect_only),
+            inspect_only,
+        }
     }
 
     /// Writes a consistent copy of the store into `dir`, which must not exist, while it goes on
