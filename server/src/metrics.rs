@@ -14,6 +14,7 @@
 //! | `fence_store_writes_total` | counter | `durability` (synced, deferred: synced with its group, unsynced: audit counters) |
 //! | `fence_wal_syncs_total` | counter | WAL syncs asked of RocksDB (writes per sync = writes / syncs) |
 //! | `fence_store_bytes` | gauge | the store's table files and memtables (updated every retention sweep) |
+//! | `fence_store_recovery_losses` | gauge | what RocksDB's recovery dropped from its WAL at the last open (logged at WARN, one line each) |
 //! | `fence_open_effects` | gauge | `state` (accepted, running: lease live; effect_unknown: needs a reconcile), updated every retention sweep |
 
 use std::time::Instant;
@@ -69,6 +70,11 @@ pub fn wal_sync() {
 /// Sets the store's size.
 pub fn store_bytes(bytes: u64) {
     metrics::gauge!("fence_store_bytes").set(bytes as f64);
+}
+
+/// Sets how many losses RocksDB's recovery reported at the last open.
+pub fn recovery_losses(n: usize) {
+    metrics::gauge!("fence_store_recovery_losses").set(n as f64);
 }
 
 /// Sets the gauges of effects not settled yet.

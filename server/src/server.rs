@@ -339,6 +339,7 @@ async fn sweep_loop(ledger: Arc<Ledger<RocksStore>>, every: Duration) {
             if let Ok(bytes) = l.store().size_bytes() {
                 crate::metrics::store_bytes(bytes);
             }
+            crate::metrics::recovery_losses(l.store().recovery_losses().len());
             match l.open_census() {
                 Ok(census) => crate::metrics::open_effects(&census),
                 Err(e) => tracing::warn!(error = %e, "counting open effects failed; will retry"),

@@ -126,6 +126,12 @@ async fn counters_move_with_real_calls() {
         sample(&body, "fence_store_bytes", &[]).unwrap_or(0.0) > 0.0,
         "{body}"
     );
+    // A clean start: RocksDB's recovery dropped nothing.
+    assert_eq!(
+        sample(&body, "fence_store_recovery_losses", &[]),
+        Some(0.0),
+        "{body}"
+    );
     // No run, effect or tenant ids in any label.
     assert!(!body.contains("\"r\""), "{body}");
     let (status, _) = get(&metrics, "/other").await;
