@@ -21,11 +21,14 @@ use crate::store::{Batch, Store, codec, keys};
 /// after its write is durable, and only this process writes the store (RocksDB's lock file
 /// keeps a second process out of the data dir). Bounded: when `capacity` entries are cached
 /// the cache is emptied and refills from the store.
+///
+/// Entries are keyed by tenant and tool name as they are ([`cache_key`]), so a hit costs no
+/// key derivation (the store's keys are blake3 hashes of the names).
 pub(crate) struct ToolCache {
     capacity: usize,
-    /// Current version by tool head key.
+    /// Current version by tenant and name.
     heads: RwLock<HashMap<Vec<u8>, u32>>,
-    /// Parsed versions by tool version key.
+    /// Parsed versions by tenant, name and version.
     versions: RwLock<HashMap<Vec<u8>, Arc<Tool>>>,
 }
 
@@ -53,6 +56,18 @@ impl ToolCache {
     fn set_version(&self, key: Vec<u8>, tool: Arc<Tool>) {
         insert_bounded(&self.versions, self.capacity, key, tool);
     }
+}
+
+/// The cache key of a tool's version (`0`: its current-version pointer): the tenant and the
+/// name, each length-prefixed so that no two pairs share a key.
+fn cache_key(tenant: &str, name: &str, version: u32) -> Vec<u8> {
+    let mut key = Vec::with_capacity(12 + tenant.len() + name.len());
+    key.extend_from_slice(&(tenant.len() as u32).to_be_bytes());
+    key.extend_from_slice(tenant.as_bytes());
+    key.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    key.extend_from_slice(name.as_bytes());
+    key.extend_from_slice(&version.to_be_bytes());
+    key
 }
 
 fn read<K, V>(lock: &RwLock<HashMap<K, V>>) -> std::sync::RwLockReadGuard<'_, HashMap<K, V>> {
@@ -166,7 +181,7 @@ impl<S: Store> Ledger<S> {
         let tk = keys::tenant_key(tenant);
         let head_key = keys::tool_head(&tk, &def.name);
         let _guard = self.runs.lock(&head_key);
-        let current = self.tool_head(&head_key)?;
+        let current = self.tool_head(tenant, &def.name)?;
         if current > 0 {
             let existing = self
                 .tool_version(tenant, &def.name, current)?
@@ -198,13 +213,14 @@ impl<S: Store> Ledger<S> {
             codec::encode(&record),
         );
         batch.put(
-            head_key.clone(),
+            head_key,
             codec::encode(&ToolHead {
                 version: record.version,
             }),
         );
         self.store.write(batch)?;
-        self.tools.set_head(head_key, record.version);
+        self.tools
+            .set_head(cache_key(tenant, &def.name, 0), record.version);
         Ok((record, true))
     }
 
@@ -249,23 +265,24 @@ impl<S: Store> Ledger<S> {
 
     /// The current definition of a tool (version 0 if unregistered).
     pub fn current_tool(&self, tenant: &str, name: &str) -> Result<Arc<Tool>> {
-        let tk = keys::tenant_key(tenant);
-        match self.tool_head(&keys::tool_head(&tk, name))? {
+        match self.tool_head(tenant, name)? {
             0 => Ok(Arc::new(Tool::unregistered(name))),
             version => self.tool_version(tenant, name, version),
         }
     }
 
     /// A tool's current version (0: never registered), from the cache or the store.
-    fn tool_head(&self, head_key: &[u8]) -> Result<u32> {
-        if let Some(version) = self.tools.head(head_key) {
+    fn tool_head(&self, tenant: &str, name: &str) -> Result<u32> {
+        let cached = cache_key(tenant, name, 0);
+        if let Some(version) = self.tools.head(&cached) {
             return Ok(version);
         }
-        let version = self.get::<ToolHead>(head_key)?.map_or(0, |h| h.version);
+        let head_key = keys::tool_head(&keys::tenant_key(tenant), name);
+        let version = self.get::<ToolHead>(&head_key)?.map_or(0, |h| h.version);
         // A name never registered is not cached: any string may be called as a tool, and
         // those must not evict the registered ones.
         if version > 0 {
-            self.tools.set_head(head_key.to_vec(), version);
+            self.tools.set_head(cached, version);
         }
         Ok(version)
     }
@@ -296,11 +313,11 @@ impl<S: Store> Ledger<S> {
         if version == 0 {
             return Ok(Arc::new(Tool::unregistered(name)));
         }
-        let tk = keys::tenant_key(tenant);
-        let key = keys::tool(&tk, name, version);
-        if let Some(tool) = self.tools.version(&key) {
+        let cached = cache_key(tenant, name, version);
+        if let Some(tool) = self.tools.version(&cached) {
             return Ok(tool);
         }
+        let key = keys::tool(&keys::tenant_key(tenant), name, version);
         let record = self.get::<ToolRecord>(&key)?.ok_or_else(|| {
             LedgerError::from(super::Refusal::new(
                 super::Reason::UnknownRecord,
@@ -309,7 +326,7 @@ impl<S: Store> Ledger<S> {
             ))
         })?;
         let tool = Arc::new(Tool::from_record(record)?);
-        self.tools.set_version(key, tool.clone());
+        self.tools.set_version(cached, tool.clone());
         Ok(tool)
     }
 
