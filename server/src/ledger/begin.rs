@@ -769,10 +769,7 @@ impl<S: Store> Ledger<S> {
             Via::Lineage => {}
             Via::Tape => {
                 let branch = &mut call.run.branches[call.branch as usize];
-                if let Some(i) = branch.tape_seqs.iter().position(|s| *s == rec.seq) {
-                    branch.tape_seqs.remove(i);
-                    tape_position = Some(branch.tape_positions.remove(i));
-                }
+                tape_position = branch.take_from_tape(rec.seq);
                 if branch.tape_seqs.is_empty() {
                     branch.restored_from_checkpoint.clear();
                 }
@@ -926,11 +923,7 @@ impl<S: Store> Ledger<S> {
             });
             call.run.branches[b as usize].length += 1;
         }
-        let branch = &mut call.run.branches[b as usize];
-        if let Some(i) = branch.carried_seqs.iter().position(|s| *s == rec.seq) {
-            branch.carried_seqs.remove(i);
-            branch.carried_sources.remove(i);
-        }
+        call.run.branches[b as usize].uncarry(rec.seq);
         batch.put(keys::run(&call.rk), codec::encode(&call.run));
         Ok(())
     }

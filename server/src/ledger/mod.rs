@@ -387,6 +387,45 @@ fn check_epoch(run: &RunRecord, epoch: u64) -> std::result::Result<(), Refusal> 
     Ok(())
 }
 
+/// A branch's replay tape and carried effects are stored as parallel lists (the record's
+/// layout); these keep each pair of lists in step.
+impl records::BranchRecord {
+    /// Carries `seq` (held by `source`'s indexes), unless it is carried already.
+    pub fn carry(&mut self, seq: u64, source: u32) {
+        if !self.carried_seqs.contains(&seq) {
+            self.carried_seqs.push(seq);
+            self.carried_sources.push(source);
+        }
+    }
+
+    /// Stops carrying `seq` (it was adopted); false when it was not carried.
+    pub fn uncarry(&mut self, seq: u64) -> bool {
+        match self.carried_seqs.iter().position(|s| *s == seq) {
+            Some(i) => {
+                self.carried_seqs.remove(i);
+                self.carried_sources.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The carried effects and the branches whose indexes hold them.
+    pub fn carried(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.carried_seqs
+            .iter()
+            .copied()
+            .zip(self.carried_sources.iter().copied())
+    }
+
+    /// Takes `seq` off the replay tape; its log position, or `None` when it was not due.
+    pub fn take_from_tape(&mut self, seq: u64) -> Option<u64> {
+        let i = self.tape_seqs.iter().position(|s| *s == seq)?;
+        self.tape_seqs.remove(i);
+        Some(self.tape_positions.remove(i))
+    }
+}
+
 impl RunRecord {
     /// The index of a branch by name ("" = main).
     pub fn branch_index(&self, name: &str) -> Option<u32> {

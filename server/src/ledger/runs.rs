@@ -354,10 +354,7 @@ impl<S: Store> Ledger<S> {
         run.epoch += 1;
         let branch = &mut run.branches[cp.branch as usize];
         for (seq, source) in alternatives {
-            if !branch.carried_seqs.contains(&seq) {
-                branch.carried_seqs.push(seq);
-                branch.carried_sources.push(source);
-            }
+            branch.carry(seq, source);
         }
         // What was still due when the checkpoint was taken (rewound by an earlier restore or
         // carried, not re-issued yet) stays done: the agent back at the checkpoint has not
@@ -370,9 +367,8 @@ impl<S: Store> Ledger<S> {
         // before it, and was not due there, is neither: like a fork from before the restore
         // point, that line is not the agent's.)
         for &seq in &cp.due_seqs {
-            if !tape.iter().any(|r| r.seq == seq) && !branch.carried_seqs.contains(&seq) {
-                branch.carried_seqs.push(seq);
-                branch.carried_sources.push(cp.branch);
+            if !tape.iter().any(|r| r.seq == seq) {
+                branch.carry(seq, cp.branch);
             }
         }
         // The agent is back at the checkpoint: that is where its causal step starts.
@@ -662,7 +658,7 @@ impl<S: Store> Ledger<S> {
             }
         };
         let own = &run.branches[branch as usize];
-        for (&seq, &source) in own.carried_seqs.iter().zip(&own.carried_sources) {
+        for (seq, source) in own.carried() {
             push(self.load_seq(rk, seq)?, source, &mut out);
         }
         // A child always has a higher index than its parent, so one pass finds every
@@ -680,7 +676,7 @@ impl<S: Store> Ledger<S> {
             for (rec, _) in self.branch_log_from(rk, i as u32, 0)? {
                 push(rec, i as u32, &mut out);
             }
-            for (&seq, &source) in b.carried_seqs.iter().zip(&b.carried_sources) {
+            for (seq, source) in b.carried() {
                 push(self.load_seq(rk, seq)?, source, &mut out);
             }
         }
