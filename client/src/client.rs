@@ -19,8 +19,8 @@ use crate::error::Error;
 use crate::retry::RetryPolicy;
 use crate::types::{
     Backup, BackupReport, BeginOutcome, CheckpointInfo, Compensation, CompleteCall, Completion,
-    CredentialInfo, CredentialUse, Finding, Forked, NewCredential, Outcome, OutcomeKey, Receipt,
-    RegisteredTool, Restored, RunInfo, Stored, ToolDef, receipt_req, required,
+    CredentialInfo, CredentialUse, EffectState, Finding, Forked, NewCredential, Outcome,
+    OutcomeKey, Receipt, RegisteredTool, Restored, RunInfo, Stored, ToolDef, receipt_req, required,
 };
 
 /// A boxed error, as returned by a custom transport.
@@ -1252,6 +1252,56 @@ impl FenceClient {
     pub async fn list_effects(&self, filter: &EffectFilter) -> Result<Vec<Receipt>, Error> {
         all_pages("ListEffects", |token| async move {
             self.list_effects_page(filter, token.as_deref(), 0).await
+        })
+        .await
+    }
+
+    /// One page of the caller's effects not settled yet, across all its runs (granted,
+    /// running, or of unknown outcome as of now), optionally only those in `state`. Returns
+    /// the effects and the next page's token (`None` at the end).
+    pub async fn list_unsettled_effects_page(
+        &self,
+        state: Option<EffectState>,
+        page_token: Option<&str>,
+        page_size: u32,
+    ) -> Result<(Vec<Receipt>, Option<String>), Error> {
+        let request = pb::ListUnsettledEffectsRequest {
+            state: state.map_or(0, |s| pb::EffectState::from(s) as i32),
+            page_size,
+            page_token: page_token.unwrap_or_default().to_owned(),
+        };
+        let response = self
+            .unary(request, |mut s, r| async move {
+                s.list_unsettled_effects(r).await
+            })
+            .await?;
+        let effects = response
+            .effects
+            .into_iter()
+            .map(Receipt::try_from)
+            .collect::<Result<_, _>>()?;
+        Ok((effects, crate::types::non_empty(response.next_page_token)))
+    }
+
+    /// Every effect of the caller not settled yet (all pages), optionally only those in
+    /// `state`: with [`EffectState::EffectUnknown`], the ones to reconcile.
+    ///
+    /// ```no_run
+    /// # async fn demo(client: fence_client::FenceClient) -> Result<(), fence_client::Error> {
+    /// use fence_client::EffectState;
+    ///
+    /// for r in client.list_unsettled_effects(Some(EffectState::EffectUnknown)).await? {
+    ///     println!("{} {} {} needs a reconcile", r.run_id, r.effect_id, r.tool);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn list_unsettled_effects(
+        &self,
+        state: Option<EffectState>,
+    ) -> Result<Vec<Receipt>, Error> {
+        all_pages("ListUnsettledEffects", |token| async move {
+            self.list_unsettled_effects_page(state, token.as_deref(), 0)
+                .await
         })
         .await
     }

@@ -81,6 +81,31 @@ async fn an_operator_finds_and_settles_an_unknown_outcome() {
     assert_eq!(lines[0]["downstream_key"], lost.downstream_key.as_str());
 
     // The operator checked the bank: the transfer never arrived.
+    // Across all runs: the one unknown effect, with its run.
+    let unsettled = fence(&[
+        "--url",
+        &url,
+        "effects",
+        "unsettled",
+        "--state",
+        "effect_unknown",
+    ])
+    .await;
+    assert!(unsettled.status.success(), "{unsettled:?}");
+    let table = stdout(&unsettled);
+    assert!(
+        table.contains(&lost.effect_id)
+            && table.contains(&run)
+            && !table.contains(&grant.effect_id),
+        "{table}"
+    );
+    let listed = fence(&["--url", &url, "effects", "unsettled", "--json"]).await;
+    let listed: Vec<serde_json::Value> = stdout(&listed)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["state"], "EFFECT_UNKNOWN");
     let settled = fence(&[
         "--url",
         &url,
@@ -107,6 +132,8 @@ async fn an_operator_finds_and_settles_an_unknown_outcome() {
         "effect_unknown",
     ])
     .await;
+    let none = fence(&["--url", &url, "effects", "unsettled", "--json"]).await;
+    assert_eq!(stdout(&none), "", "settled: nothing left to list");
     assert!(
         !stdout(&unknown).contains(&lost.effect_id),
         "{}",

@@ -67,7 +67,7 @@ fuzz_target!(|data: &[u8]| {
             let (body, next) = tail.split_at(usize::from(*len).min(tail.len()));
             rest = next;
             let s = &service;
-            match method % 19 {
+            match method % 20 {
                 0 => check(0, call(body, |r| s.register_tool(r)).await),
                 1 => check(1, call(body, |r| s.get_tool(r)).await),
                 2 => check(2, call(body, |r| s.start_run(r)).await),
@@ -86,7 +86,8 @@ fuzz_target!(|data: &[u8]| {
                 15 => check(15, call(body, |r| s.register_credential(r)).await),
                 16 => check(16, call(body, |r| s.get_credential(r)).await),
                 17 => check(17, call(body, |r| s.list_runs(r)).await),
-                _ => check(18, call(body, |r| s.list_tools(r)).await),
+                18 => check(18, call(body, |r| s.list_tools(r)).await),
+                _ => check(19, call(body, |r| s.list_unsettled_effects(r)).await),
             }
         }
     });

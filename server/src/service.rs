@@ -463,6 +463,30 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         .await
     }
 
+    async fn list_unsettled_effects(
+        &self,
+        req: Request<pb::ListUnsettledEffectsRequest>,
+    ) -> Result<Response<pb::ListEffectsResponse>, Status> {
+        self.run("ListUnsettledEffects", req, |l, t, r| {
+            let state = match r.state {
+                0 => None,
+                code => Some(crate::ledger::State::from_code(code).ok_or_else(|| {
+                    LedgerError::invalid("state", format!("{code} is not an effect state"))
+                })?),
+            };
+            let (effects, next_page_token) =
+                l.list_unsettled(t, state, r.page_size, &r.page_token)?;
+            Ok(pb::ListEffectsResponse {
+                effects: effects
+                    .into_iter()
+                    .map(|e| convert::receipt(e, true))
+                    .collect(),
+                next_page_token,
+            })
+        })
+        .await
+    }
+
     async fn register_credential(
         &self,
         req: Request<pb::RegisterCredentialRequest>,

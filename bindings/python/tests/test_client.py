@@ -392,3 +392,15 @@ def test_runs_and_tools_are_listed_page_by_page(client: fence.Client, run_id: st
     tools = {t.name: t for t in client.iter_tools(page_size=1)}
     assert set(tools) == {TRANSFER, "kb.search"}
     assert tools["kb.search"].cls == OperationClass.SAFE_RETRY and tools["kb.search"].version == 1
+
+
+def test_unsettled_effects_are_listed_across_runs(client: fence.Client, run_id: str) -> None:
+    register_transfer(client)
+    first = execute(client.begin(f"{run_id}-a", TRANSFER, transfer_args(to="ann"), step_key="s"))
+    second = execute(client.begin(f"{run_id}-b", TRANSFER, transfer_args(to="bob"), step_key="s"))
+    client.complete(second.effect_id, second.attempt, 1, result=b'{"tx":"T2"}')
+    unsettled = list(client.iter_unsettled_effects(page_size=1))
+    assert [(r.run_id, r.effect_id) for r in unsettled] == [(f"{run_id}-a", first.effect_id)]
+    assert unsettled[0].state == EffectState.ACCEPTED
+    page = client.list_unsettled_effects(state=EffectState.EFFECT_UNKNOWN)
+    assert page.effects == () and page.next_page_token == ""

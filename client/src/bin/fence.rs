@@ -6,6 +6,7 @@
 //! fence runs list [--prefix P] [--json]
 //! fence run show RUN [--json]
 //! fence effects list RUN [--branch B] [--state effect_unknown] [--json]
+//! fence effects unsettled [--state effect_unknown] [--json]   # across all runs
 //! fence effect show EFFECT_ID [--json]
 //! fence export RUN [--format jsonl]   # the audit trail: every effect on every branch, one JSON per line
 //! fence tools list [--json]
@@ -224,6 +225,29 @@ enum EffectsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// List the effects not settled yet across all runs: granted, running, or of unknown
+    /// outcome (`--state effect_unknown`: the ones to reconcile).
+    Unsettled {
+        /// Only effects in this state (accepted, running, effect_unknown).
+        #[arg(long)]
+        state: Option<String>,
+        /// One JSON object per effect, one per line, instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The effect state a `--state` flag names.
+fn state_flag(state: Option<String>) -> Result<Option<EffectState>, Failure> {
+    state
+        .map(|s| {
+            EffectState::from_str_name(&s.to_uppercase()).ok_or_else(|| {
+                usage(format!(
+                    "--state {s:?} is not a state (accepted, running, completed, failed_before_input, effect_unknown, compensated)"
+                ))
+            })
+        })
+        .transpose()
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -317,14 +341,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                     json,
                 },
         } => {
-            let wanted = match state {
-                Some(s) => Some(EffectState::from_str_name(&s.to_uppercase()).ok_or_else(|| {
-                    usage(format!(
-                        "--state {s:?} is not a state (accepted, running, completed, failed_before_input, effect_unknown, compensated)"
-                    ))
-                })?),
-                None => None,
-            };
+            let wanted = state_flag(state)?;
             let mut filter = EffectFilter::run(run_id);
             if let Some(b) = branch {
                 filter = filter.branch(b);
@@ -340,7 +357,21 @@ async fn run(args: Args) -> Result<(), Failure> {
                     println!("{}", receipt_json(r));
                 }
             } else {
-                print_table(&effects);
+                print_table(&effects, false);
+            }
+            Ok(())
+        }
+        Command::Effects {
+            command: EffectsCommand::Unsettled { state, json },
+        } => {
+            let wanted = state_flag(state)?;
+            let effects = client.list_unsettled_effects(wanted).await?;
+            if json {
+                for r in &effects {
+                    println!("{}", receipt_json(r));
+                }
+            } else {
+                print_table(&effects, true);
             }
             Ok(())
         }
@@ -557,14 +588,29 @@ async fn run(args: Args) -> Result<(), Failure> {
     }
 }
 
-fn print_table(effects: &[Receipt]) {
+/// A table of receipts, with a RUN column when they come from several runs.
+fn print_table(effects: &[Receipt], with_run: bool) {
+    let run = |r: &str| {
+        if with_run {
+            format!("{r:<32} ")
+        } else {
+            String::new()
+        }
+    };
     println!(
-        "{:<50} {:<20} {:<24} {:<24} {:>8} {:>7}",
-        "EFFECT", "STATE", "TOOL", "STEP KEY", "POSITION", "ATTEMPT"
+        "{}{:<50} {:<20} {:<24} {:<24} {:>8} {:>7}",
+        run("RUN"),
+        "EFFECT",
+        "STATE",
+        "TOOL",
+        "STEP KEY",
+        "POSITION",
+        "ATTEMPT"
     );
     for r in effects {
         println!(
-            "{:<50} {:<20} {:<24} {:<24} {:>8} {:>7}",
+            "{}{:<50} {:<20} {:<24} {:<24} {:>8} {:>7}",
+            run(&r.run_id),
             r.effect_id,
             r.state,
             r.tool,

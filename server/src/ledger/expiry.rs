@@ -70,6 +70,55 @@ impl<S: Store> Ledger<S> {
         })?;
         Ok(census)
     }
+
+    /// A page of `tenant`'s effects not settled yet, across its runs, as of now (a lapsed
+    /// lease reads EFFECT_UNKNOWN), optionally only those in `state`, and the next page's
+    /// token (`""`: done). Read from the open-effect index, which holds every tenant's.
+    pub fn list_unsettled(
+        &self,
+        tenant: &str,
+        state: Option<State>,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<EffectRecord>, String)> {
+        if let Some(s) = state
+            && !matches!(s, State::Accepted | State::Running | State::EffectUnknown)
+        {
+            return Err(super::LedgerError::invalid(
+                "state",
+                "an unsettled effect is ACCEPTED, RUNNING or EFFECT_UNKNOWN",
+            ));
+        }
+        let prefix = keys::open_prefix();
+        let mut from = prefix.clone();
+        if !page_token.is_empty() {
+            let rest = codec::unhex(page_token)
+                .filter(|b| b.len() == 24)
+                .ok_or_else(|| {
+                    super::LedgerError::invalid("page_token", "is not a token this server issued")
+                })?;
+            from.extend_from_slice(&rest);
+        }
+        let now = self.now();
+        let (effects, next) = self.page(&prefix, from, page_size, |k, _| {
+            let Some((rk, seq)) = keys::decode_open(k) else {
+                return Ok(None);
+            };
+            let key = keys::effect(&rk, seq);
+            let Some(bytes) = self.store.get(&key)? else {
+                return Ok(None);
+            };
+            let rec: EffectRecord = codec::decode(&key, &bytes)?;
+            if rec.tenant != tenant {
+                return Ok(None);
+            }
+            let view = rec.view(now);
+            let wanted = view.is_open() && state.is_none_or(|s| view.state() == s);
+            Ok(wanted.then(|| (view, bytes.len())))
+        })?;
+        let token = next.map_or_else(String::new, |k| codec::hex(&k[1..]));
+        Ok((effects, token))
+    }
 }
 
 /// The effects not settled yet, by state (see [`Ledger::open_census`]).

@@ -568,6 +568,16 @@ def list_effects(
     )
 
 
+def list_unsettled_effects(state: int, page_size: int, page_token: str) -> Rpc:
+    return Rpc(
+        "ListUnsettledEffects",
+        pb.ListUnsettledEffectsRequest(state=state, page_size=page_size, page_token=page_token),
+        lambda r: t.EffectsPage(
+            tuple(t.Receipt.from_proto(x) for x in r.effects), r.next_page_token
+        ),
+    )
+
+
 def register_credential(
     token: bytes | str, budget: int, bound_tool: str, bound_arguments: JsonArgs | None
 ) -> Rpc:

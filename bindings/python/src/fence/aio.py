@@ -343,6 +343,32 @@ class AsyncClient:
                 return
             token = page.next_page_token
 
+    async def list_unsettled_effects(
+        self,
+        *,
+        state: t.EffectState | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> t.EffectsPage:
+        """One page of the tenant's effects not settled yet, across its runs (granted, running,
+        or of unknown outcome); ``state=EffectState.EFFECT_UNKNOWN``: the ones to reconcile."""
+        return await self._call(rq.list_unsettled_effects(int(state or 0), page_size, page_token))
+
+    async def iter_unsettled_effects(
+        self, *, state: t.EffectState | None = None, page_size: int = 0
+    ) -> AsyncIterator[t.Receipt]:
+        """Every effect of the tenant not settled yet, following page tokens."""
+        token = ""
+        while True:
+            page = await self.list_unsettled_effects(
+                state=state, page_size=page_size, page_token=token
+            )
+            for receipt in page.effects:
+                yield receipt
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
     # -- credentials ------------------------------------------------------------------------
 
     async def register_credential(

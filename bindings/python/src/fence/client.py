@@ -306,6 +306,29 @@ class Client:
                 return
             token = page.next_page_token
 
+    def list_unsettled_effects(
+        self,
+        *,
+        state: t.EffectState | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> t.EffectsPage:
+        """One page of the tenant's effects not settled yet, across its runs (granted, running,
+        or of unknown outcome); ``state=EffectState.EFFECT_UNKNOWN``: the ones to reconcile."""
+        return self._call(rq.list_unsettled_effects(int(state or 0), page_size, page_token))
+
+    def iter_unsettled_effects(
+        self, *, state: t.EffectState | None = None, page_size: int = 0
+    ) -> Iterator[t.Receipt]:
+        """Every effect of the tenant not settled yet, following page tokens."""
+        token = ""
+        while True:
+            page = self.list_unsettled_effects(state=state, page_size=page_size, page_token=token)
+            yield from page.effects
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
     # -- credentials ------------------------------------------------------------------------
 
     def register_credential(
