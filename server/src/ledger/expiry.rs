@@ -114,7 +114,7 @@ impl<S: Store> Ledger<S> {
             }
             let view = rec.view(now);
             let wanted = view.is_open() && state.is_none_or(|s| view.state() == s);
-            Ok(wanted.then(|| (view, bytes.len())))
+            Ok(wanted.then_some((view, bytes.len())))
         })?;
         let token = next.map_or_else(String::new, |k| codec::hex(&k[1..]));
         Ok((effects, token))
