@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -404,3 +405,17 @@ def test_unsettled_effects_are_listed_across_runs(client: fence.Client, run_id: 
     assert unsettled[0].state == EffectState.ACCEPTED
     page = client.list_unsettled_effects(state=EffectState.EFFECT_UNKNOWN)
     assert page.effects == () and page.next_page_token == ""
+
+
+def test_a_backup_is_written_and_verified(client: fence.Client, run_id: str, tmp_path: Path) -> None:
+    register_transfer(client)
+    ex = execute(client.begin(run_id, TRANSFER, transfer_args(), step_key="s"))
+    client.complete(ex.effect_id, ex.attempt, 1, result=b'{"tx":"T1"}')
+    backup = client.create_backup(str(tmp_path / "backup"))
+    assert backup.report.sound and backup.report.effects >= 1 and backup.report.runs >= 1
+    assert (tmp_path / "backup" / "credential.key").exists()
+    again = client.verify_backup(backup.dir)
+    assert again.sound and again.effects == backup.report.effects
+    with pytest.raises(fence.FenceError) as err:
+        client.create_backup(str(tmp_path / "backup"))
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS

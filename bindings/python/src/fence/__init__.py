@@ -26,6 +26,8 @@ from .errors import (
 )
 from .fenced import Execution, FencedTool, WaitPolicy, current_execution, fenced, use_run
 from .types import (
+    Backup,
+    BackupReport,
     BeginResult,
     BranchInfo,
     CheckpointInfo,
@@ -62,6 +64,8 @@ from .types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backup",
+    "BackupReport",
     "DEFAULT_TARGET",
     "ERROR_DOMAIN",
     "AsyncClient",

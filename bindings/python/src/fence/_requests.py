@@ -31,11 +31,13 @@ JsonArgs = Any
 
 @dataclass(frozen=True)
 class Rpc:
-    """One prepared call: the stub method name, the request and how to convert the answer."""
+    """One prepared call: the stub method name, the request and how to convert the answer,
+    and the service it belongs to (``Fence``, or ``Admin`` for backups)."""
 
     method: str
     request: Any
     convert: Callable[[Any], Any]
+    service: str = "Fence"
 
 
 def to_jsonable(value: Any) -> Any:
@@ -565,6 +567,24 @@ def list_effects(
         lambda r: t.EffectsPage(
             tuple(t.Receipt.from_proto(x) for x in r.effects), r.next_page_token
         ),
+    )
+
+
+def create_backup(directory: str) -> Rpc:
+    return Rpc(
+        "CreateBackup",
+        pb.CreateBackupRequest(dir=directory),
+        lambda r: t.Backup(r.dir, r.bytes, r.created_at_ms, t.BackupReport.from_proto(r.report)),
+        service="Admin",
+    )
+
+
+def verify_backup(directory: str) -> Rpc:
+    return Rpc(
+        "VerifyBackup",
+        pb.VerifyBackupRequest(dir=directory),
+        lambda r: t.BackupReport.from_proto(r.report),
+        service="Admin",
     )
 
 

@@ -60,14 +60,17 @@ class AsyncClient:
         self._given = channel
         # Per event loop: the channel opened in it and its stub (a grpc.aio channel belongs
         # to the loop it was created in).
-        self._by_loop: dict[int, tuple[weakref.ref[asyncio.AbstractEventLoop], grpc.aio.Channel, Any]] = {}
+        self._by_loop: dict[
+            int, tuple[weakref.ref[asyncio.AbstractEventLoop], grpc.aio.Channel, dict[str, Any]]
+        ] = {}
         self._metadata = rq.call_metadata(tenant, token, metadata)
 
     # -- plumbing ---------------------------------------------------------------------------
 
     @property
-    def _stub(self) -> Any:
-        """The stub of the running loop's channel, opened on first use in that loop."""
+    def _stubs(self) -> dict[str, Any]:
+        """The stubs (by service) of the running loop's channel, opened on first use in that
+        loop."""
         loop = asyncio.get_running_loop()
         entry = self._by_loop.get(id(loop))
         if entry is not None and entry[0]() is loop:
@@ -83,12 +86,15 @@ class AsyncClient:
                 channel = grpc.aio.secure_channel(self.target, self._credentials)
             else:
                 channel = grpc.aio.insecure_channel(self.target)
-        stub = fence_pb2_grpc.FenceStub(channel)
-        self._by_loop[id(loop)] = (weakref.ref(loop), channel, stub)
-        return stub
+        stubs = {
+            "Fence": fence_pb2_grpc.FenceStub(channel),
+            "Admin": fence_pb2_grpc.AdminStub(channel),
+        }
+        self._by_loop[id(loop)] = (weakref.ref(loop), channel, stubs)
+        return stubs
 
     async def _call(self, rpc: rq.Rpc) -> Any:
-        method = getattr(self._stub, rpc.method)
+        method = getattr(self._stubs[rpc.service], rpc.method)
         try:
             response = await method(rpc.request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
@@ -368,6 +374,18 @@ class AsyncClient:
             if not page.next_page_token:
                 return
             token = page.next_page_token
+
+    # -- backups (the Admin service) --------------------------------------------------------
+
+    async def create_backup(self, directory: str) -> t.Backup:
+        """Writes a consistent copy of the whole ledger into ``directory``, a new absolute path
+        on the server's machine, while the server serves; verified before it returns. In token
+        mode the client's token must be marked ``admin``."""
+        return await self._call(rq.create_backup(directory))
+
+    async def verify_backup(self, directory: str) -> t.BackupReport:
+        """Reads and checks every record of a backup on the server's machine."""
+        return await self._call(rq.verify_backup(directory))
 
     # -- credentials ------------------------------------------------------------------------
 

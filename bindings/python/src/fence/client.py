@@ -55,13 +55,16 @@ class Client:
             else:
                 channel = grpc.insecure_channel(target)
         self._channel = channel
-        self._stub = fence_pb2_grpc.FenceStub(channel)
+        self._stubs = {
+            "Fence": fence_pb2_grpc.FenceStub(channel),
+            "Admin": fence_pb2_grpc.AdminStub(channel),
+        }
         self._metadata = rq.call_metadata(tenant, token, metadata)
 
     # -- plumbing ---------------------------------------------------------------------------
 
     def _call(self, rpc: rq.Rpc) -> Any:
-        method = getattr(self._stub, rpc.method)
+        method = getattr(self._stubs[rpc.service], rpc.method)
         try:
             response = method(rpc.request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
@@ -328,6 +331,18 @@ class Client:
             if not page.next_page_token:
                 return
             token = page.next_page_token
+
+    # -- backups (the Admin service) --------------------------------------------------------
+
+    def create_backup(self, directory: str) -> t.Backup:
+        """Writes a consistent copy of the whole ledger into ``directory``, a new absolute path
+        on the server's machine, while the server serves; verified before it returns. In token
+        mode the client's token must be marked ``admin``."""
+        return self._call(rq.create_backup(directory))
+
+    def verify_backup(self, directory: str) -> t.BackupReport:
+        """Reads and checks every record of a backup on the server's machine."""
+        return self._call(rq.verify_backup(directory))
 
     # -- credentials ------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Union
 from .v1 import fence_pb2 as pb
 
 __all__ = [
+    "Backup",
+    "BackupReport",
     "BeginResult",
     "BranchInfo",
     "CheckpointInfo",
@@ -644,3 +646,51 @@ class CredentialRegistration:
 
     credential: CredentialInfo
     created: bool
+
+
+# ------------------------------------------------------------------------------------------
+# Backups
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BackupReport:
+    """What verifying a backup (or any data dir) found; sound when ``problem_count`` is 0."""
+
+    format_version: int
+    records: int
+    runs: int
+    effects: int
+    tools: int
+    credentials: int
+    problems: tuple[str, ...]
+    problem_count: int
+
+    @classmethod
+    def from_proto(cls, m: pb.BackupReport) -> BackupReport:
+        return cls(
+            format_version=m.format_version,
+            records=m.records,
+            runs=m.runs,
+            effects=m.effects,
+            tools=m.tools,
+            credentials=m.credentials,
+            problems=tuple(m.problems),
+            problem_count=m.problem_count,
+        )
+
+    @property
+    def sound(self) -> bool:
+        """True when nothing is wrong."""
+        return self.problem_count == 0
+
+
+@dataclass(frozen=True)
+class Backup:
+    """A backup written by ``create_backup``: a data dir on the server's machine."""
+
+    dir: str
+    bytes: int
+    created_at_ms: int
+    report: BackupReport
+
