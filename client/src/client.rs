@@ -1230,12 +1230,7 @@ impl FenceClient {
         let response = self
             .unary(request, |mut s, r| async move { s.list_effects(r).await })
             .await?;
-        let effects = response
-            .effects
-            .into_iter()
-            .map(Receipt::try_from)
-            .collect::<Result<_, _>>()?;
-        Ok((effects, crate::types::non_empty(response.next_page_token)))
+        receipts_page(response)
     }
 
     /// Every effect matching the filter, in recording order (all pages).
@@ -1275,12 +1270,7 @@ impl FenceClient {
                 s.list_unsettled_effects(r).await
             })
             .await?;
-        let effects = response
-            .effects
-            .into_iter()
-            .map(Receipt::try_from)
-            .collect::<Result<_, _>>()?;
-        Ok((effects, crate::types::non_empty(response.next_page_token)))
+        receipts_page(response)
     }
 
     /// Every effect of the caller not settled yet (all pages), optionally only those in
@@ -1384,6 +1374,18 @@ fn batch_results<R, T>(
             }))
         })
         .collect()
+}
+
+/// The receipts of a ListEffects (or ListUnsettledEffects) page and the next page's token.
+fn receipts_page(
+    response: pb::ListEffectsResponse,
+) -> Result<(Vec<Receipt>, Option<String>), Error> {
+    let effects = response
+        .effects
+        .into_iter()
+        .map(Receipt::try_from)
+        .collect::<Result<_, _>>()?;
+    Ok((effects, crate::types::non_empty(response.next_page_token)))
 }
 
 /// Follows a listing's page tokens to the end and returns every item, refusing a server that

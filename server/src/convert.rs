@@ -369,6 +369,17 @@ pub fn outcome_key(k: Option<pb::query_outcome_request::Key>) -> Result<OutcomeK
     }
 }
 
+/// A page of effects as ListEffects and ListUnsettledEffects answer it.
+pub fn effects_page(
+    effects: Vec<EffectRecord>,
+    next_page_token: String,
+) -> pb::ListEffectsResponse {
+    pb::ListEffectsResponse {
+        effects: effects.into_iter().map(|e| receipt(e, true)).collect(),
+        next_page_token,
+    }
+}
+
 /// A ListEffects query.
 pub fn list_query(r: pb::ListEffectsRequest) -> ListQuery {
     ListQuery {

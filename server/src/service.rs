@@ -452,13 +452,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
     ) -> Result<Response<pb::ListEffectsResponse>, Status> {
         self.run("ListEffects", req, |l, t, r| {
             let (effects, next_page_token) = l.list_effects(t, &convert::list_query(r))?;
-            Ok(pb::ListEffectsResponse {
-                effects: effects
-                    .into_iter()
-                    .map(|e| convert::receipt(e, true))
-                    .collect(),
-                next_page_token,
-            })
+            Ok(convert::effects_page(effects, next_page_token))
         })
         .await
     }
@@ -476,13 +470,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             };
             let (effects, next_page_token) =
                 l.list_unsettled(t, state, r.page_size, &r.page_token)?;
-            Ok(pb::ListEffectsResponse {
-                effects: effects
-                    .into_iter()
-                    .map(|e| convert::receipt(e, true))
-                    .collect(),
-                next_page_token,
-            })
+            Ok(convert::effects_page(effects, next_page_token))
         })
         .await
     }

@@ -23,8 +23,7 @@ use serde_json::Value;
 
 use super::messages;
 use super::records::{
-    Adoption, BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, OpenStep,
-    RunRecord,
+    BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, OpenStep, RunRecord,
 };
 use super::tools::{Fingerprints, Tool, note_tool_version};
 use super::{
@@ -889,12 +888,19 @@ impl<S: Store> Ledger<S> {
                 .find(|a| a.branch == b)
                 .map(|a| a.position)
         });
-        let position = logged.unwrap_or(call.run.branches[b as usize].length);
-        let entry = codec::encode(&IndexEntry {
-            seq: rec.seq,
-            position,
-            tool_version: rec.tool_version,
-        });
+        let entry = match logged {
+            Some(position) => codec::encode(&IndexEntry {
+                seq: rec.seq,
+                position,
+                tool_version: rec.tool_version,
+            }),
+            None => {
+                // One past every occurrence of this intent on the lineage: a free index slot.
+                let (count, _) = self.lineage_intent(call)?;
+                let branch = &mut call.run.branches[b as usize];
+                super::append_adopted(batch, &call.rk, b, branch, rec, count + 1)?
+            }
+        };
         // Indexed under the call's step key (how this branch names the step) and the
         // effect's own; a step this branch already recorded for itself keeps its meaning.
         let mut step_keys = vec![call.cmd.step_key.as_str(), rec.step_key.as_str()];
@@ -904,24 +910,6 @@ impl<S: Store> Ledger<S> {
             if self.store.get(&step)?.is_none() {
                 batch.put(step, entry.clone());
             }
-        }
-        if logged.is_none() {
-            batch.put(keys::branch_log(&call.rk, b, position), entry.clone());
-            let fp: Fingerprint =
-                rec.intent_fp[..]
-                    .try_into()
-                    .map_err(|_| crate::store::StoreError::Corrupt {
-                        key: codec::hex(&keys::effect(&call.rk, rec.seq)),
-                        why: "an intent fingerprint is not 32 bytes".into(),
-                    })?;
-            // One past every occurrence of this intent on the lineage: a free index slot.
-            let (count, _) = self.lineage_intent(call)?;
-            batch.put(keys::intent(&call.rk, b, &fp, count + 1), entry);
-            rec.adopted.push(Adoption {
-                branch: b,
-                position,
-            });
-            call.run.branches[b as usize].length += 1;
         }
         call.run.branches[b as usize].uncarry(rec.seq);
         batch.put(keys::run(&call.rk), codec::encode(&call.run));

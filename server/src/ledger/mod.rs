@@ -526,3 +526,37 @@ fn index_open(batch: &mut Batch, rk: &RunKey, rec: &EffectRecord) {
         batch.delete(keys::open(rk, rec.seq));
     }
 }
+
+/// Appends `rec` to branch `index`'s log at its next position, indexes it there as the
+/// `occurrence`-th of its intent, and records the adoption on `rec`; returns the index entry
+/// (for the caller's step-key indexes). How an effect done on another line joins a branch.
+fn append_adopted(
+    batch: &mut Batch,
+    rk: &RunKey,
+    index: u32,
+    branch: &mut records::BranchRecord,
+    rec: &mut EffectRecord,
+    occurrence: u32,
+) -> Result<Vec<u8>> {
+    let position = branch.length;
+    let fp: crate::canonical::Fingerprint =
+        rec.intent_fp[..]
+            .try_into()
+            .map_err(|_| crate::store::StoreError::Corrupt {
+                key: codec::hex(&keys::effect(rk, rec.seq)),
+                why: "an intent fingerprint is not 32 bytes".into(),
+            })?;
+    let entry = codec::encode(&records::IndexEntry {
+        seq: rec.seq,
+        position,
+        tool_version: rec.tool_version,
+    });
+    batch.put(keys::branch_log(rk, index, position), entry.clone());
+    batch.put(keys::intent(rk, index, &fp, occurrence), entry.clone());
+    rec.adopted.push(records::Adoption {
+        branch: index,
+        position,
+    });
+    branch.length += 1;
+    Ok(entry)
+}

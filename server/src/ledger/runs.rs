@@ -14,7 +14,7 @@
 
 use super::begin::new_run;
 use super::records::{
-    Adoption, BranchRecord, CheckpointRecord, EffectRecord, IndexEntry, RestoreRecord, RunRecord,
+    BranchRecord, CheckpointRecord, EffectRecord, IndexEntry, RestoreRecord, RunRecord,
 };
 use super::{
     Ledger, LedgerError, MAIN_BRANCH, OpClass, Reason, Recovery, Refusal, Result, check_epoch,
@@ -608,27 +608,13 @@ impl<S: Store> Ledger<S> {
         let mut occurrences: std::collections::HashMap<Vec<u8>, u32> =
             std::collections::HashMap::new();
         for mut rec in reissued {
-            let position = branch.length;
-            let entry = codec::encode(&IndexEntry {
-                seq: rec.seq,
-                position,
-                tool_version: rec.tool_version,
-            });
-            batch.put(keys::branch_log(&rk, index, position), entry.clone());
+            let n = occurrences.entry(rec.intent_fp.clone()).or_insert(0);
+            *n += 1;
+            let entry = super::append_adopted(&mut batch, &rk, index, &mut branch, &mut rec, *n)?;
             if !rec.step_key.is_empty() {
-                batch.put(keys::step(&rk, index, &rec.step_key), entry.clone());
+                batch.put(keys::step(&rk, index, &rec.step_key), entry);
             }
-            if let Ok(fp) = <[u8; 32]>::try_from(&rec.intent_fp[..]) {
-                let n = occurrences.entry(rec.intent_fp.clone()).or_insert(0);
-                *n += 1;
-                batch.put(keys::intent(&rk, index, &fp, *n), entry);
-            }
-            rec.adopted.push(Adoption {
-                branch: index,
-                position,
-            });
             batch.put(keys::effect(&rk, rec.seq), codec::encode(&rec));
-            branch.length += 1;
         }
         run.branches.push(branch.clone());
         batch.put(keys::run(&rk), codec::encode(&run));

@@ -16,7 +16,7 @@ import json
 import pathlib
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Protocol, TypeVar, Union
 
 from . import errors
 from . import types as t
@@ -38,6 +38,40 @@ class Rpc:
     request: Any
     convert: Callable[[Any], Any]
     service: str = "Fence"
+
+
+class _Page(Protocol):
+    @property
+    def next_page_token(self) -> str: ...
+
+
+_P = TypeVar("_P", bound=_Page)
+_T = TypeVar("_T")
+
+
+def follow_pages(fetch: Callable[[str], _P], items: Callable[[_P], Iterable[_T]]) -> Iterator[_T]:
+    """Every item of a listing: ``fetch(token)`` page after page until the token is empty."""
+    token = ""
+    while True:
+        page = fetch(token)
+        yield from items(page)
+        if not page.next_page_token:
+            return
+        token = page.next_page_token
+
+
+async def follow_pages_async(
+    fetch: Callable[[str], Awaitable[_P]], items: Callable[[_P], Iterable[_T]]
+) -> AsyncIterator[_T]:
+    """:func:`follow_pages` for the asyncio client."""
+    token = ""
+    while True:
+        page = await fetch(token)
+        for item in items(page):
+            yield item
+        if not page.next_page_token:
+            return
+        token = page.next_page_token
 
 
 def to_jsonable(value: Any) -> Any:
@@ -588,10 +622,12 @@ def verify_backup(directory: str) -> Rpc:
     )
 
 
-def list_unsettled_effects(state: int, page_size: int, page_token: str) -> Rpc:
+def list_unsettled_effects(state: t.EffectState | None, page_size: int, page_token: str) -> Rpc:
     return Rpc(
         "ListUnsettledEffects",
-        pb.ListUnsettledEffectsRequest(state=state, page_size=page_size, page_token=page_token),
+        pb.ListUnsettledEffectsRequest(
+            state=pb.EffectState.Name(int(state or 0)), page_size=page_size, page_token=page_token
+        ),
         lambda r: t.EffectsPage(
             tuple(t.Receipt.from_proto(x) for x in r.effects), r.next_page_token
         ),

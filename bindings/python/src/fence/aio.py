@@ -146,14 +146,11 @@ class AsyncClient:
     async def iter_tools(self, *, page_size: int = 0) -> AsyncIterator[t.ToolSpec]:
         """Every registered tool (current versions), following page tokens; in the server's
         stable order, not by name."""
-        token = ""
-        while True:
-            page = await self.list_tools(page_size=page_size, page_token=token)
-            for tool in page.tools:
-                yield tool
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        async for item in rq.follow_pages_async(
+            lambda token: self.list_tools(page_size=page_size, page_token=token),
+            lambda p: p.tools,
+        ):
+            yield item
 
     # -- runs -------------------------------------------------------------------------------
 
@@ -177,16 +174,11 @@ class AsyncClient:
     ) -> AsyncIterator[t.RunInfo]:
         """Every run of the tenant whose id starts with ``run_id_prefix``, following page
         tokens."""
-        token = ""
-        while True:
-            page = await self.list_runs(
-                run_id_prefix=run_id_prefix, page_size=page_size, page_token=token
-            )
-            for run in page.runs:
-                yield run
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        async for item in rq.follow_pages_async(
+            lambda token: self.list_runs(run_id_prefix=run_id_prefix, page_size=page_size, page_token=token),
+            lambda p: p.runs,
+        ):
+            yield item
 
     async def checkpoint(
         self,
@@ -340,14 +332,11 @@ class AsyncClient:
         self, run: rq.RunLike, *, branch: str = "", saga_id: str = "", page_size: int = 0
     ) -> AsyncIterator[t.Receipt]:
         """Every effect of a run, following page tokens."""
-        token = ""
-        while True:
-            page = await self.list_effects(run, branch=branch, saga_id=saga_id, page_size=page_size, page_token=token)
-            for receipt in page.effects:
-                yield receipt
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        async for item in rq.follow_pages_async(
+            lambda token: self.list_effects(run, branch=branch, saga_id=saga_id, page_size=page_size, page_token=token),
+            lambda p: p.effects,
+        ):
+            yield item
 
     async def list_unsettled_effects(
         self,
@@ -358,22 +347,17 @@ class AsyncClient:
     ) -> t.EffectsPage:
         """One page of the tenant's effects not settled yet, across its runs (granted, running,
         or of unknown outcome); ``state=EffectState.EFFECT_UNKNOWN``: the ones to reconcile."""
-        return await self._call(rq.list_unsettled_effects(int(state or 0), page_size, page_token))
+        return await self._call(rq.list_unsettled_effects(state, page_size, page_token))
 
     async def iter_unsettled_effects(
         self, *, state: t.EffectState | None = None, page_size: int = 0
     ) -> AsyncIterator[t.Receipt]:
         """Every effect of the tenant not settled yet, following page tokens."""
-        token = ""
-        while True:
-            page = await self.list_unsettled_effects(
-                state=state, page_size=page_size, page_token=token
-            )
-            for receipt in page.effects:
-                yield receipt
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        async for item in rq.follow_pages_async(
+            lambda token: self.list_unsettled_effects(state=state, page_size=page_size, page_token=token),
+            lambda p: p.effects,
+        ):
+            yield item
 
     # -- backups (the Admin service) --------------------------------------------------------
 

@@ -113,13 +113,10 @@ class Client:
     def iter_tools(self, *, page_size: int = 0) -> Iterator[t.ToolSpec]:
         """Every registered tool (current versions), following page tokens; in the server's
         stable order, not by name."""
-        token = ""
-        while True:
-            page = self.list_tools(page_size=page_size, page_token=token)
-            yield from page.tools
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        yield from rq.follow_pages(
+            lambda token: self.list_tools(page_size=page_size, page_token=token),
+            lambda p: p.tools,
+        )
 
     # -- runs -------------------------------------------------------------------------------
 
@@ -141,13 +138,10 @@ class Client:
     def iter_runs(self, *, run_id_prefix: str = "", page_size: int = 0) -> Iterator[t.RunInfo]:
         """Every run of the tenant whose id starts with ``run_id_prefix``, following page
         tokens."""
-        token = ""
-        while True:
-            page = self.list_runs(run_id_prefix=run_id_prefix, page_size=page_size, page_token=token)
-            yield from page.runs
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        yield from rq.follow_pages(
+            lambda token: self.list_runs(run_id_prefix=run_id_prefix, page_size=page_size, page_token=token),
+            lambda p: p.runs,
+        )
 
     def checkpoint(
         self,
@@ -301,13 +295,10 @@ class Client:
         self, run: rq.RunLike, *, branch: str = "", saga_id: str = "", page_size: int = 0
     ) -> Iterator[t.Receipt]:
         """Every effect of a run, following page tokens."""
-        token = ""
-        while True:
-            page = self.list_effects(run, branch=branch, saga_id=saga_id, page_size=page_size, page_token=token)
-            yield from page.effects
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        yield from rq.follow_pages(
+            lambda token: self.list_effects(run, branch=branch, saga_id=saga_id, page_size=page_size, page_token=token),
+            lambda p: p.effects,
+        )
 
     def list_unsettled_effects(
         self,
@@ -318,19 +309,16 @@ class Client:
     ) -> t.EffectsPage:
         """One page of the tenant's effects not settled yet, across its runs (granted, running,
         or of unknown outcome); ``state=EffectState.EFFECT_UNKNOWN``: the ones to reconcile."""
-        return self._call(rq.list_unsettled_effects(int(state or 0), page_size, page_token))
+        return self._call(rq.list_unsettled_effects(state, page_size, page_token))
 
     def iter_unsettled_effects(
         self, *, state: t.EffectState | None = None, page_size: int = 0
     ) -> Iterator[t.Receipt]:
         """Every effect of the tenant not settled yet, following page tokens."""
-        token = ""
-        while True:
-            page = self.list_unsettled_effects(state=state, page_size=page_size, page_token=token)
-            yield from page.effects
-            if not page.next_page_token:
-                return
-            token = page.next_page_token
+        yield from rq.follow_pages(
+            lambda token: self.list_unsettled_effects(state=state, page_size=page_size, page_token=token),
+            lambda p: p.effects,
+        )
 
     # -- backups (the Admin service) --------------------------------------------------------
 
