@@ -84,6 +84,12 @@ pub struct Config {
     #[arg(long, env = "FENCE_MAX_BATCH_CALLS", default_value_t = 128)]
     pub max_batch_calls: usize,
 
+    /// Calls of one Session stream decided at once; the server reads no further calls of that
+    /// stream until one is answered (flow control holds them), which bounds what one stream
+    /// can make the server buffer.
+    #[arg(long, env = "FENCE_MAX_SESSION_IN_FLIGHT", default_value_t = 256)]
+    pub max_session_in_flight: usize,
+
     /// RocksDB block cache, in MiB.
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,

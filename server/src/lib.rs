@@ -31,6 +31,7 @@ pub mod sequencer;
 #[cfg(feature = "rocksdb")]
 pub mod server;
 pub mod service;
+pub mod session;
 pub mod status;
 pub mod store;
 pub mod trace;

@@ -33,16 +33,17 @@ trait Task<S>: Send {
     fn answer(self: Box<Self>, synced: Result<(), Status>);
 }
 
-struct Pending<F, T> {
+struct Pending<F, T, R> {
     decide: Option<F>,
     outcome: Option<Result<T, Status>>,
-    reply: tokio::sync::oneshot::Sender<Result<T, Status>>,
+    reply: R,
 }
 
-impl<S, F, T> Task<S> for Pending<F, T>
+impl<S, F, T, R> Task<S> for Pending<F, T, R>
 where
     F: FnOnce(&Ledger<S>) -> Result<T, LedgerError> + Send,
     T: Send,
+    R: FnOnce(Result<T, Status>) + Send,
 {
     fn decide(&mut self, ledger: &Ledger<S>) {
         let Some(decide) = self.decide.take() else {
@@ -66,8 +67,7 @@ where
                 .unwrap_or_else(|| Err(Status::internal("the request was never decided"))),
             Err(status) => Err(status),
         };
-        // The caller may have gone away (deadline, disconnect): nothing to tell it then.
-        let _ = self.reply.send(answer);
+        (self.reply)(answer);
     }
 }
 
@@ -108,18 +108,33 @@ impl<S: Store> Sequencer<S> {
         F: FnOnce(&Ledger<S>) -> Result<T, LedgerError> + Send + 'static,
     {
         let (reply, answer) = tokio::sync::oneshot::channel();
+        // The caller may have gone away (deadline, disconnect): nothing to tell it then.
+        self.dispatch(route, decide, move |out| {
+            let _ = reply.send(out);
+        });
+        answer
+            .await
+            .map_err(|_| Status::internal("the request could not be processed"))?
+    }
+
+    /// [`Sequencer::submit`] without waiting: `reply` is called with the answer once the
+    /// group is durable (on the sequencer thread, so it must not block), or at once with
+    /// UNAVAILABLE when the sequencers have stopped.
+    pub fn dispatch<T, F, R>(&self, route: u64, decide: F, reply: R)
+    where
+        T: Send + 'static,
+        F: FnOnce(&Ledger<S>) -> Result<T, LedgerError> + Send + 'static,
+        R: FnOnce(Result<T, Status>) + Send + 'static,
+    {
         let job: Job<S> = Box::new(Pending {
             decide: Some(decide),
             outcome: None,
             reply,
         });
         let queue = &self.queues[(route % self.queues.len() as u64) as usize];
-        queue
-            .send(job)
-            .map_err(|_| Status::unavailable("the server is shutting down"))?;
-        answer
-            .await
-            .map_err(|_| Status::internal("the request could not be processed"))?
+        if let Err(mpsc::SendError(job)) = queue.send(job) {
+            job.answer(Err(Status::unavailable("the server is shutting down")));
+        }
     }
 }
 

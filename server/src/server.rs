@@ -198,6 +198,8 @@ pub struct ServeOptions {
     pub sequencers: usize,
     /// Concurrent streams per connection (see [`Config::max_streams_per_connection`]).
     pub max_streams_per_connection: u32,
+    /// Calls of one Session stream decided at once (0 = the default).
+    pub max_session_in_flight: usize,
 }
 
 /// Serves until `shutdown` resolves, then drains in-flight calls and closes the store.
@@ -226,6 +228,7 @@ pub async fn serve(
         rate_limit,
         sequencers: config.sequencers,
         max_streams_per_connection: config.max_streams_per_connection,
+        max_session_in_flight: config.max_session_in_flight,
     };
     serve_ledger_with(listener, Arc::new(ledger), opts, shutdown).await
 }
@@ -245,6 +248,7 @@ pub async fn serve_ledger(
         rate_limit: None,
         sequencers: 0,
         max_streams_per_connection: 64,
+        max_session_in_flight: 0,
     };
     serve_ledger_with(listener, ledger, opts, shutdown).await
 }
@@ -263,6 +267,7 @@ pub async fn serve_ledger_with(
         rate_limit,
         sequencers,
         max_streams_per_connection,
+        max_session_in_flight,
     } = opts;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -280,8 +285,19 @@ pub async fn serve_ledger_with(
         AdminServer::new(crate::admin::AdminService::new(ledger.clone())),
         move |req| admin_auth.authorize_admin(req),
     );
+    // Session streams end when the shutdown begins; the graceful drain would otherwise wait
+    // for every caller to close its stream.
+    let (stop_sessions, sessions_stopping) = tokio::sync::watch::channel(false);
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stop_sessions.send(true);
+    };
+    let service = FenceService::with_sequencers(ledger.clone(), sequencers)
+        .with_rate_limit(rate_limit.clone())
+        .with_max_session_in_flight(max_session_in_flight)
+        .with_shutdown(sessions_stopping);
     let fence = InterceptedService::new(
-        FenceServer::new(FenceService::with_sequencers(ledger.clone(), sequencers))
+        FenceServer::new(service)
             // Room for the largest allowed arguments/results plus framing; the ledger enforces
             // the precise limits with a field-level error.
             .max_decoding_message_size(16 << 20)

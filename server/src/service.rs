@@ -12,13 +12,20 @@ use crate::auth::tenant_of;
 use crate::convert;
 use crate::ledger::batch::CompleteCmd;
 use crate::ledger::{BeginCmd, Ledger, LedgerError};
+use crate::quota::TenantRateLimit;
 use crate::sequencer::{Sequencer, route_of};
+use crate::session::{Deciders, SessionStream, Sessions};
 use crate::store::Store;
+use tokio::sync::watch;
 
 /// The `fence.v1.Fence` service over a ledger.
 pub struct FenceService<S> {
     ledger: Arc<Ledger<S>>,
-    sequencer: Sequencer<S>,
+    sequencer: Arc<Sequencer<S>>,
+    sessions: Sessions<S>,
+    /// Kept so the Session streams' shutdown signal lives as long as the service when no
+    /// server wired one ([`FenceService::with_shutdown`]).
+    _stop: Option<watch::Sender<bool>>,
 }
 
 impl<S: Store> FenceService<S> {
@@ -36,10 +43,43 @@ impl<S: Store> FenceService<S> {
             0 => std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
             n => n,
         };
+        let sequencer = Arc::new(Sequencer::start(ledger.clone(), threads));
+        let (stop, stopping) = watch::channel(false);
         Self {
-            sequencer: Sequencer::start(ledger.clone(), threads),
+            sessions: Sessions {
+                sequencer: sequencer.clone(),
+                rate_limit: None,
+                max_in_flight: crate::session::DEFAULT_MAX_IN_FLIGHT,
+                stopping,
+            },
+            sequencer,
             ledger,
+            _stop: Some(stop),
         }
+    }
+
+    /// The tenant rate limit a Session stream takes per call (unary calls take theirs in the
+    /// server's interceptor).
+    pub fn with_rate_limit(mut self, limit: Option<Arc<TenantRateLimit>>) -> Self {
+        self.sessions.rate_limit = limit;
+        self
+    }
+
+    /// At most `calls` of one Session stream decided at once (0 = the default, 256).
+    pub fn with_max_session_in_flight(mut self, calls: usize) -> Self {
+        self.sessions.max_in_flight = match calls {
+            0 => crate::session::DEFAULT_MAX_IN_FLIGHT,
+            n => n,
+        };
+        self
+    }
+
+    /// Session streams stop reading and end with UNAVAILABLE once `stopping` turns `true`
+    /// (the server's graceful shutdown, which would otherwise wait on every open stream).
+    pub fn with_shutdown(mut self, stopping: watch::Receiver<bool>) -> Self {
+        self.sessions.stopping = stopping;
+        self._stop = None;
+        self
     }
 
     /// Runs `f` on the sequencer of `route`, with the caller's tenant: answered once the
@@ -122,12 +162,61 @@ fn effect_route(effect_id: &str) -> u64 {
 
 /// One call's error inside a batch: the status it would have failed with alone.
 fn call_error(e: LedgerError) -> pb::CallError {
-    let status = Status::from(e);
+    call_error_of(&Status::from(e))
+}
+
+/// A status as a call's error (a batch's or a Session stream's).
+pub(crate) fn call_error_of(status: &Status) -> pb::CallError {
     pb::CallError {
         code: status.code() as i32,
         message: status.message().to_owned(),
         details: status.details().to_vec(),
     }
+}
+
+/// Begin's decision, shared by the RPC and Session calls.
+fn begin_call<S: Store>(
+    l: &Ledger<S>,
+    t: &str,
+    r: pb::BeginRequest,
+) -> Result<pb::BeginResponse, LedgerError> {
+    let cmd = BeginCmd::try_from(r)?;
+    let begun = l.begin(t, &cmd)?;
+    crate::metrics::decision(&begun.decision);
+    crate::trace::record_begin(&cmd, &begun.decision);
+    tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
+    Ok(convert::begin_response(begun))
+}
+
+/// Complete's transition, shared by the RPC and Session calls.
+fn complete_call<S: Store>(
+    l: &Ledger<S>,
+    t: &str,
+    r: pb::CompleteRequest,
+) -> Result<pb::CompleteResponse, LedgerError> {
+    let outcome = convert::outcome(r.outcome)?;
+    let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
+    tracing::debug!(tenant = t, effect = %r.effect_id, state = rec.state, "complete");
+    Ok(pb::CompleteResponse {
+        receipt: Some(convert::receipt(rec, true)),
+    })
+}
+
+/// Heartbeat's lease extension, shared by the RPC and Session calls.
+fn heartbeat_call<S: Store>(
+    l: &Ledger<S>,
+    t: &str,
+    r: pb::HeartbeatRequest,
+) -> Result<pb::HeartbeatResponse, LedgerError> {
+    let rec = l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)?;
+    Ok(pb::HeartbeatResponse {
+        receipt: Some(convert::receipt(rec, true)),
+    })
+}
+
+/// The sequencer route of a Begin: its run's.
+fn begin_route(tenant: &str, r: &pb::BeginRequest) -> u64 {
+    route_of(tenant, &r.run_id)
 }
 
 /// A batch's answers in its calls' order: the calls that converted run together (moved, in
@@ -302,15 +391,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::BeginRequest>,
     ) -> Result<Response<pb::BeginResponse>, Status> {
-        self.sequenced("Begin", req, |t, r| route_of(t, &r.run_id), |l, t, r| {
-            let cmd = BeginCmd::try_from(r)?;
-            let begun = l.begin(t, &cmd)?;
-            crate::metrics::decision(&begun.decision);
-            crate::trace::record_begin(&cmd, &begun.decision);
-            tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
-            Ok(convert::begin_response(begun))
-        })
-        .await
+        self.sequenced("Begin", req, begin_route, begin_call).await
     }
 
     async fn begin_batch(
@@ -386,13 +467,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let route = |_: &str, r: &pb::HeartbeatRequest| effect_route(&r.effect_id);
-        self.sequenced("Heartbeat", req, route, |l, t, r| {
-            let rec = l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)?;
-            Ok(pb::HeartbeatResponse {
-                receipt: Some(convert::receipt(rec, true)),
-            })
-        })
-        .await
+        self.sequenced("Heartbeat", req, route, heartbeat_call)
+            .await
     }
 
     async fn complete(
@@ -400,15 +476,28 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         req: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let route = |_: &str, r: &pb::CompleteRequest| effect_route(&r.effect_id);
-        self.sequenced("Complete", req, route, |l, t, r| {
-            let outcome = convert::outcome(r.outcome)?;
-            let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
-            tracing::debug!(tenant = t, effect = %r.effect_id, state = rec.state, "complete");
-            Ok(pb::CompleteResponse {
-                receipt: Some(convert::receipt(rec, true)),
-            })
-        })
-        .await
+        self.sequenced("Complete", req, route, complete_call).await
+    }
+
+    type SessionStream = SessionStream;
+
+    async fn session(
+        &self,
+        req: Request<tonic::Streaming<pb::SessionRequest>>,
+    ) -> Result<Response<SessionStream>, Status> {
+        let tenant = tenant_of(&req)?;
+        let deciders = Deciders {
+            begin: begin_call::<S>,
+            complete: complete_call::<S>,
+            heartbeat: heartbeat_call::<S>,
+            route_begin: begin_route,
+            route_effect: effect_route,
+        };
+        Ok(Response::new(self.sessions.open(
+            tenant,
+            req.into_inner(),
+            deciders,
+        )))
     }
 
     async fn reconcile(

@@ -98,18 +98,24 @@ fn hex_u8(s: &str) -> Option<u8> {
 /// A debug span: with neither debug logs nor trace export on, it is disabled and costs one
 /// filter check.
 pub fn rpc_span(request: &tonic::codegen::http::Request<()>) -> tracing::Span {
-    use tracing::field::Empty;
-    let path = request.uri().path();
-    // "/fence.v1.Fence/Begin" -> ("fence.v1.Fence", "Begin").
-    let (service, method) = path
-        .trim_start_matches('/')
-        .split_once('/')
-        .unwrap_or(("", path));
     let parent = request
         .headers()
         .get(TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse);
+    call_span(request.uri().path(), parent)
+}
+
+/// The span of one call: an RPC ([`rpc_span`]) or one call of a Session stream (path
+/// "/fence.v1.Fence/Session/Begin", a child of the stream's span unless `parent` names the
+/// call's own trace).
+pub fn call_span(path: &str, parent: Option<TraceParent>) -> tracing::Span {
+    use tracing::field::Empty;
+    // "/fence.v1.Fence/Begin" -> ("fence.v1.Fence", "Begin").
+    let (service, method) = path
+        .trim_start_matches('/')
+        .split_once('/')
+        .unwrap_or(("", path));
     let span = tracing::debug_span!(
         "fence.rpc",
         rpc = path,

@@ -37,6 +37,8 @@ pub struct Options {
     pub tls: Option<tonic::transport::ServerTlsConfig>,
     /// Per-tenant rate limit.
     pub rate_limit: Option<Arc<fence_server::quota::TenantRateLimit>>,
+    /// Calls of one Session stream decided at once (0 = the server's default).
+    pub max_session_in_flight: usize,
 }
 
 impl Default for Options {
@@ -49,6 +51,7 @@ impl Default for Options {
             },
             tls: None,
             rate_limit: None,
+            max_session_in_flight: 0,
         }
     }
 }
@@ -90,6 +93,7 @@ impl TestServer {
                 rate_limit: opts.rate_limit,
                 sequencers: 0,
                 max_streams_per_connection: 64,
+                max_session_in_flight: opts.max_session_in_flight,
             };
             fence_server::serve_ledger_with(listener, Arc::new(ledger), serve, async {
                 let _ = rx.await;

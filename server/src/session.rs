@@ -1,0 +1,273 @@
+//! The Session RPC: an agent's Begin, Complete and Heartbeat calls as messages on one
+//! long-lived bidirectional stream, decided exactly as their unary RPCs are.
+//!
+//! This module owns what a stream adds around the decisions: reading calls, taking the
+//! tenant's rate limit per call, bounding the calls in flight (the server stops reading while
+//! the bound is reached, so HTTP/2 flow control holds the rest), handing each call to its
+//! run's sequencer without waiting, and writing each answer as its group becomes durable.
+//! When the server shuts down a stream stops reading, answers what it already took, and ends
+//! with UNAVAILABLE, so a graceful shutdown never waits on a caller's idle stream.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use fence_proto::v1 as pb;
+use pb::session_request::Call;
+use pb::session_response::Result as Answer;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio_stream::Stream;
+use tokio_stream::StreamExt as _;
+use tonic::{Status, Streaming};
+use tracing::Instrument as _;
+
+use crate::ledger::{Ledger, LedgerError};
+use crate::quota::TenantRateLimit;
+use crate::sequencer::Sequencer;
+use crate::store::Store;
+use crate::trace::TraceParent;
+
+/// The answers of one Session stream, as tonic sends them.
+pub type SessionStream = Pin<Box<dyn Stream<Item = Result<pb::SessionResponse, Status>> + Send>>;
+
+/// Calls of one stream decided at once by default (`--max-session-in-flight`).
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+
+/// What every stream of a server shares.
+pub(crate) struct Sessions<S> {
+    pub(crate) sequencer: Arc<Sequencer<S>>,
+    pub(crate) rate_limit: Option<Arc<TenantRateLimit>>,
+    pub(crate) max_in_flight: usize,
+    /// Becomes `true` when the server begins its graceful shutdown.
+    pub(crate) stopping: watch::Receiver<bool>,
+}
+
+impl<S> Clone for Sessions<S> {
+    fn clone(&self) -> Self {
+        Self {
+            sequencer: self.sequencer.clone(),
+            rate_limit: self.rate_limit.clone(),
+            max_in_flight: self.max_in_flight,
+            stopping: self.stopping.clone(),
+        }
+    }
+}
+
+/// An answer on its way out, holding its call's in-flight permit until tonic takes it to
+/// send: what a stream has in flight is bounded by what its caller actually reads.
+type Outgoing = (
+    Result<pb::SessionResponse, Status>,
+    Option<OwnedSemaphorePermit>,
+);
+
+/// One decision of a session call: the unary RPC's own decision function.
+type Decide<S, Q, T> = fn(&Ledger<S>, &str, Q) -> Result<T, LedgerError>;
+
+impl<S: Store> Sessions<S> {
+    /// Starts serving one stream of `tenant`'s calls and returns its answers.
+    pub(crate) fn open(
+        &self,
+        tenant: Arc<str>,
+        calls: Streaming<pb::SessionRequest>,
+        decide: Deciders<S>,
+    ) -> SessionStream {
+        let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
+        let reader = Reader {
+            sessions: self.clone(),
+            tenant,
+            decide,
+            tx,
+            in_flight: Arc::new(Semaphore::new(self.max_in_flight.max(1))),
+        };
+        // The stream's span (its RPC's) stays the parent of every call's span.
+        tokio::spawn(reader.run(calls).instrument(tracing::Span::current()));
+        let answers =
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|(answer, permit)| {
+                drop(permit);
+                answer
+            });
+        Box::pin(answers)
+    }
+}
+
+/// The decision functions the unary RPCs use, shared so a session call is decided by the
+/// very same code.
+pub(crate) struct Deciders<S> {
+    pub(crate) begin: Decide<S, pb::BeginRequest, pb::BeginResponse>,
+    pub(crate) complete: Decide<S, pb::CompleteRequest, pb::CompleteResponse>,
+    pub(crate) heartbeat: Decide<S, pb::HeartbeatRequest, pb::HeartbeatResponse>,
+    /// The sequencer route of a Begin (by its run) and of an effect's calls (by its id).
+    pub(crate) route_begin: fn(&str, &pb::BeginRequest) -> u64,
+    pub(crate) route_effect: fn(&str) -> u64,
+}
+
+struct Reader<S> {
+    sessions: Sessions<S>,
+    tenant: Arc<str>,
+    decide: Deciders<S>,
+    tx: mpsc::UnboundedSender<Outgoing>,
+    in_flight: Arc<Semaphore>,
+}
+
+impl<S: Store> Reader<S> {
+    async fn run(self, mut calls: Streaming<pb::SessionRequest>) {
+        let mut stopping = self.sessions.stopping.clone();
+        let shutting_down = || {
+            Some(Status::unavailable(
+                "the server is shutting down; calls sent after the last answer were not read: \
+                 resend them on a new stream",
+            ))
+        };
+        let ended = loop {
+            if *stopping.borrow_and_update() {
+                break shutting_down();
+            }
+            // Wait for room before reading: while the bound is reached the caller's further
+            // calls stay in the transport, held by flow control. A dropped signal (the server
+            // is gone) ends the stream too.
+            let permit = tokio::select! {
+                p = self.in_flight.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+                r = stopping.changed() => match r {
+                    Ok(()) => continue,
+                    Err(_) => break shutting_down(),
+                },
+            };
+            let message = tokio::select! {
+                m = calls.message() => m,
+                r = stopping.changed() => match r {
+                    Ok(()) => continue,
+                    Err(_) => break shutting_down(),
+                },
+            };
+            match message {
+                Ok(Some(call)) => self.call(call, permit),
+                // The caller closed its side: answer what is in flight, then end.
+                Ok(None) => break None,
+                // The stream broke (reset, a message that does not decode): nothing more can
+                // be read; what is in flight is still answered if the transport still can.
+                Err(status) => break Some(status),
+            }
+        };
+        // Every permit back means every answer taken by tonic to send.
+        let all = u32::try_from(self.sessions.max_in_flight.max(1)).unwrap_or(u32::MAX);
+        let drained = self.in_flight.acquire_many(all).await;
+        drop(drained);
+        if let Some(status) = ended {
+            let _ = self.tx.send((Err(status), None));
+        }
+    }
+
+    fn call(&self, request: pb::SessionRequest, permit: OwnedSemaphorePermit) {
+        let pb::SessionRequest {
+            id,
+            call,
+            traceparent,
+        } = request;
+        let Some(call) = call else {
+            return self.refuse(
+                id,
+                permit,
+                "Session",
+                crate::status::invalid_argument(
+                    "call",
+                    "a Session message must hold one call: begin, complete or heartbeat",
+                ),
+            );
+        };
+        let method = match &call {
+            Call::Begin(_) => "Session/Begin",
+            Call::Complete(_) => "Session/Complete",
+            Call::Heartbeat(_) => "Session/Heartbeat",
+        };
+        if let Some(limit) = &self.sessions.rate_limit
+            && let Err(status) = limit.check(&self.tenant)
+        {
+            crate::metrics::rate_limited();
+            return self.refuse(id, permit, method, status);
+        }
+        let parent = (!traceparent.is_empty())
+            .then(|| TraceParent::parse(&traceparent))
+            .flatten();
+        let call_of = InFlight {
+            id,
+            method,
+            span: crate::trace::call_span(&format!("/fence.v1.Fence/{method}"), parent),
+            permit,
+            started: Instant::now(),
+        };
+        let tenant = self.tenant.clone();
+        let d = &self.decide;
+        match call {
+            Call::Begin(r) => {
+                let route = (d.route_begin)(&tenant, &r);
+                self.dispatch(call_of, route, tenant, r, d.begin, Answer::Begin);
+            }
+            Call::Complete(r) => {
+                let route = (d.route_effect)(&r.effect_id);
+                self.dispatch(call_of, route, tenant, r, d.complete, Answer::Complete);
+            }
+            Call::Heartbeat(r) => {
+                let route = (d.route_effect)(&r.effect_id);
+                self.dispatch(call_of, route, tenant, r, d.heartbeat, Answer::Heartbeat);
+            }
+        }
+    }
+
+    /// Answers a call refused before any decision (rate limit, no call in it).
+    fn refuse(&self, id: u64, permit: OwnedSemaphorePermit, method: &'static str, status: Status) {
+        crate::metrics::rpc(method, Instant::now(), status.code());
+        let _ = self.tx.send((Ok(error_answer(id, &status)), Some(permit)));
+    }
+
+    /// Hands one call to its run's sequencer; its answer goes out once its group is durable.
+    fn dispatch<Q, T>(
+        &self,
+        call: InFlight,
+        route: u64,
+        tenant: Arc<str>,
+        request: Q,
+        decide: Decide<S, Q, T>,
+        wrap: fn(T) -> Answer,
+    ) where
+        Q: Send + 'static,
+        T: Send + 'static,
+    {
+        let tx = self.tx.clone();
+        let decide_span = call.span.clone();
+        self.sessions.sequencer.dispatch(
+            route,
+            move |ledger: &Ledger<S>| decide_span.in_scope(|| decide(ledger, &tenant, request)),
+            move |out: Result<T, Status>| {
+                let code = out.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
+                crate::metrics::rpc(call.method, call.started, code);
+                call.span.in_scope(|| crate::trace::record_status(code));
+                let answer = match out {
+                    Ok(t) => pb::SessionResponse {
+                        id: call.id,
+                        result: Some(wrap(t)),
+                    },
+                    Err(status) => error_answer(call.id, &status),
+                };
+                // The caller may have gone away: nothing to tell it then.
+                let _ = tx.send((Ok(answer), Some(call.permit)));
+            },
+        );
+    }
+}
+
+/// One call between its reading and its answer.
+struct InFlight {
+    id: u64,
+    method: &'static str,
+    span: tracing::Span,
+    permit: OwnedSemaphorePermit,
+    started: Instant,
+}
+
+/// A call's error as its answer.
+fn error_answer(id: u64, status: &Status) -> pb::SessionResponse {
+    pb::SessionResponse {
+        id,
+        result: Some(Answer::Error(crate::service::call_error_of(status))),
+    }
+}
