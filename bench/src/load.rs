@@ -285,6 +285,44 @@ impl EffectClient for FenceEffects {
     }
 }
 
+/// Fence over one [`fence_client::Session`] stream per worker (an agent's session): each
+/// effect is a Begin and a Complete message on it; a turn of K parallel calls sends K Begins
+/// at once, then K Completes.
+struct SessionEffects {
+    session: fence_client::Session,
+    run_id: String,
+    batch: u64,
+}
+
+impl SessionEffects {
+    async fn one(&self, worker: u64, n: u64) -> Result<()> {
+        let call = fence_client::EffectCall::new(&self.run_id, TOOL, arguments(worker, n))
+            .step_key(format!("s{n}"));
+        let fence_client::Decision::Execute(grant) = self.session.begin(&call).await?.decision
+        else {
+            bail!("expected a grant for a new effect");
+        };
+        let result = fence_client::Completion::Result(format!("tx-{worker}-{n}").into_bytes());
+        self.session
+            .complete(&grant.effect_id, grant.attempt, 0, result)
+            .await?;
+        Ok(())
+    }
+}
+
+impl EffectClient for SessionEffects {
+    fn batch(&self) -> u64 {
+        self.batch
+    }
+
+    async fn effect(&mut self, worker: u64, n: u64) -> Result<()> {
+        let first = n * self.batch;
+        let turn = (first..first + self.batch).map(|i| self.one(worker, i));
+        futures::future::try_join_all(turn).await?;
+        Ok(())
+    }
+}
+
 struct PgEffects {
     client: tokio_postgres::Client,
     batch: u64,
@@ -441,11 +479,32 @@ pub async fn pg_prepare(url: &str) -> Result<String> {
     ))
 }
 
+impl Target {
+    /// Fence over `channels`, on Session streams when `session` is set.
+    pub fn fence(channels: Vec<Channel>, session: bool) -> Target {
+        if session {
+            Target::FenceSession(channels)
+        } else {
+            Target::Fence(channels)
+        }
+    }
+
+    /// The channels of a Fence target.
+    pub fn channels(&self) -> Option<&[Channel]> {
+        match self {
+            Target::Fence(c) | Target::FenceSession(c) | Target::Health(c) => Some(c),
+            Target::Postgres(_) => None,
+        }
+    }
+}
+
 /// Which system a closed loop drives.
 #[derive(Debug, Clone)]
 pub enum Target {
-    /// Fence over these channels (workers share them round-robin).
+    /// Fence over these channels (workers share them round-robin), one unary RPC per call.
     Fence(Vec<Channel>),
+    /// Fence over these channels, each worker's calls on its own Session stream.
+    FenceSession(Vec<Channel>),
     /// The standard gRPC health check over these channels, one call per turn: the RPC stack's
     /// ceiling on the same server, with no disk and no ledger in it.
     Health(Vec<Channel>),
@@ -520,6 +579,17 @@ pub async fn run_loop(
             Target::Fence(channels) => {
                 let client = FenceEffects {
                     client: FenceClient::new(channels[w as usize % channels.len()].clone()),
+                    run_id,
+                    batch: batch.max(1) as u64,
+                };
+                tasks.push(tokio::spawn(worker(client, w, start, limit, failures)));
+            }
+            Target::FenceSession(channels) => {
+                let channel = channels[w as usize % channels.len()].clone();
+                let client = SessionEffects {
+                    session: fence_client::FenceClient::builder("unused")
+                        .build_with_service(channel)?
+                        .session(),
                     run_id,
                     batch: batch.max(1) as u64,
                 };

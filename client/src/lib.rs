@@ -8,6 +8,8 @@
 //!   instead of re-running; wait on an effect in progress; retries by operation class.
 //! - [`RunHandle`] and [`step_key`]: deterministic step keys and checkpoint / restore / fork with
 //!   the framework's own checkpoint ids; the handle follows the run's epoch and branch.
+//! - [`Session`]: Begin, Complete and Heartbeat as messages on one long-lived stream, for
+//!   agents that make many calls: the same decisions at a lower cost per call.
 //! - [`SagaExecutor`]: forward steps with compensations, undone in reverse order on failure,
 //!   each compensation fenced so that a crash mid-compensation never undoes a step twice.
 //!
@@ -42,6 +44,7 @@ mod error;
 mod retry;
 mod run;
 mod saga;
+mod session;
 mod types;
 
 pub use client::{
@@ -58,6 +61,7 @@ pub use saga::{
     Saga, SagaExecutor, SagaOutcome, SagaState, SagaStep, SagaStepState, ToolRunner,
     compensation_step_key, saga_step_key,
 };
+pub use session::Session;
 /// TLS settings for [`FenceClientBuilder::tls`] (re-exported from tonic).
 pub use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 pub use types::{

@@ -61,6 +61,10 @@ struct Common {
     /// per turn, throughput in effects.
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Fence's calls as messages on one Session stream per worker instead of one unary RPC
+    /// each.
+    #[arg(long)]
+    session: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -116,6 +120,15 @@ enum Command {
         #[arg(long, conflicts_with = "dir")]
         mem: bool,
     },
+}
+
+/// Fence's row label: its transport.
+fn fence_label(common: &Common) -> &'static str {
+    if common.session {
+        "Fence (session)"
+    } else {
+        "Fence"
+    }
 }
 
 fn work_dir(common: &Common) -> Result<PathBuf> {
@@ -234,13 +247,13 @@ async fn compare(
     // Fence.
     load::register_tool(fenced.channel().await?).await?;
     let chans = channels(&fenced, common.connections).await?;
-    let target = Target::Fence(chans);
+    let target = Target::fence(chans, common.session);
     let warmup = Duration::from_secs(common.warmup);
     let measure = Duration::from_secs(common.seconds);
     let mut fence = Vec::new();
     for &c in &common.concurrency {
         let m = load::closed_loop(&target, "cmp", c, common.batch, warmup, measure).await?;
-        eprintln!("{}", row("Fence", c, &m));
+        eprintln!("{}", row(fence_label(&common), c, &m));
         fence.push((c, m));
     }
     let rss = fenced.rss_kib();
@@ -261,7 +274,7 @@ async fn compare(
             );
         }
         load::register_tool(chans[0].clone()).await?;
-        let target = Target::Fence(chans);
+        let target = Target::fence(chans, common.session);
         for &c in &common.concurrency {
             let m = load::closed_loop(&target, "nodelay", c, common.batch, warmup, measure).await?;
             eprintln!("{}", row("Fence, in-process, TCP_NODELAY", c, &m));
@@ -299,7 +312,7 @@ async fn compare(
         .iter()
         .zip(pg.iter().map(Some).chain(std::iter::repeat(None)))
     {
-        println!("{}", row("Fence", *c, f));
+        println!("{}", row(fence_label(&common), *c, f));
         if let Some((_, n)) = nodelay.iter().find(|(k, _)| k == c) {
             println!(
                 "{}",
@@ -414,7 +427,7 @@ async fn scale(common: Common, sizes: Vec<u64>, threads: usize) -> Result<()> {
         if size == 0 {
             load::register_tool(fenced.channel().await?).await?;
         }
-        let target = Target::Fence(channels(&fenced, common.connections).await?);
+        let target = Target::fence(channels(&fenced, common.connections).await?, common.session);
         for &c in &common.concurrency {
             let m = load::closed_loop(
                 &target,
@@ -459,7 +472,7 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     println!("machine: {}; data dir {}", machine(), dir.display());
     let fenced = start_fenced(&common, &dir.join("fence-data"), &dir.join("fenced.log")).await?;
     load::register_tool(fenced.channel().await?).await?;
-    let target = Target::Fence(channels(&fenced, common.connections).await?);
+    let target = Target::fence(channels(&fenced, common.connections).await?, common.session);
     let batch = common.batch.max(1) as u64;
     let mut measured = Vec::new();
     println!(
@@ -488,9 +501,7 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
         measured.push((c, m.throughput()));
     }
     // The RPC stack's ceiling on the same server and connections: health checks, no disk.
-    let Target::Fence(chans) = target else {
-        unreachable!("cost measures Fence")
-    };
+    let chans = target.channels().expect("cost measures Fence").to_vec();
     let health = Target::Health(chans);
     println!(
         "\n| concurrency | health checks/s (tonic ceiling) | fenced CPU us per check | Fence RPCs/s (2 per effect) | Fence / ceiling |\n|---:|---:|---:|---:|---:|"
