@@ -45,10 +45,26 @@ def test_async_client_mirrors_sync_client() -> None:
     for name, sig in sync.items():
         assert list(sig.parameters) == list(asyn[name].parameters), name
         method = getattr(fence.AsyncClient, name)
-        # The iter_* methods are async generators; every other method is a coroutine.
-        assert inspect.iscoroutinefunction(method) or (
-            name.startswith("iter_") and inspect.isasyncgenfunction(method)
+        # The iter_* methods are async generators; `session` makes an AsyncSession (checked
+        # below); every other method is a coroutine.
+        assert (
+            inspect.iscoroutinefunction(method)
+            or (name.startswith("iter_") and inspect.isasyncgenfunction(method))
+            or name == "session"
         ), name
+
+
+def test_async_session_mirrors_sync_session() -> None:
+    import inspect
+
+    def public(cls: type) -> dict[str, inspect.Signature]:
+        return {n: inspect.signature(f) for n, f in vars(cls).items() if not n.startswith("_") and callable(f)}
+
+    sync, asyn = public(fence.Session), public(fence.AsyncSession)
+    assert sync.keys() == asyn.keys() == {"begin", "complete", "heartbeat", "close"}
+    for name, sig in sync.items():
+        assert list(sig.parameters) == list(asyn[name].parameters), name
+        assert inspect.iscoroutinefunction(getattr(fence.AsyncSession, name)), name
 
 
 def test_every_rpc_has_a_client_method() -> None:

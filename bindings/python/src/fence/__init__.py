@@ -11,6 +11,7 @@ The generated protobuf stubs live in :mod:`fence.v1` (built from ``proto/fence/v
 from ._requests import BeginCall, CompleteCall
 from .aio import AsyncClient
 from .client import DEFAULT_TARGET, Client
+from .session import AsyncSession, Session
 from .errors import (
     ERROR_DOMAIN,
     FailedBeforeInputError,
@@ -69,6 +70,7 @@ __all__ = [
     "DEFAULT_TARGET",
     "ERROR_DOMAIN",
     "AsyncClient",
+    "AsyncSession",
     "BeginCall",
     "BeginResult",
     "BranchInfo",
@@ -109,6 +111,7 @@ __all__ = [
     "Run",
     "RunInfo",
     "RunsPage",
+    "Session",
     "StartedRun",
     "StatusDetails",
     "StringNormalization",

@@ -13,6 +13,7 @@ from . import _requests as rq
 from . import types as t
 from .client import DEFAULT_TARGET
 from .errors import FenceError, error_from_rpc
+from .session import AsyncSession
 from .v1 import fence_pb2_grpc
 
 __all__ = ["AsyncClient"]
@@ -277,6 +278,11 @@ class AsyncClient:
     ) -> t.Receipt:
         """Records a granted effect's outcome: exactly one of the three keywords."""
         return await self._call(rq.complete(effect_id, attempt, epoch, result, failed_before_input, unknown))
+
+    def session(self) -> AsyncSession:
+        """Begin, Complete and Heartbeat over one long-lived ``Session`` stream, as
+        :meth:`fence.Client.session`; its stream belongs to the event loop of its first call."""
+        return AsyncSession(lambda: self._stubs["Fence"], self._metadata, self.timeout)
 
     async def begin_batch(self, calls: Iterable[rq.BeginCall]) -> list[t.BeginResult | FenceError]:
         """Begins several calls in one request (parallel tool calls): each is decided as
