@@ -1,7 +1,8 @@
 //! Crash safety: the real `fenced` binary under concurrent load is killed with SIGKILL at random
 //! moments, restarted on the same data dir, and every acknowledged grant and completion must
-//! still be there, with no effect ever granted twice. Half the workers send single Begins and
-//! Completes, the other half batches (BeginBatch, CompleteBatch) on the same runs.
+//! still be there, with no effect ever granted twice. A third of the workers send single
+//! Begins and Completes, a third batches (BeginBatch, CompleteBatch), and a third keeps several
+//! calls in flight on a Session stream, on the same runs.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -14,7 +15,7 @@ use fence_proto::v1::decision::Outcome as O;
 use fence_proto::v1::fence_client::FenceClient;
 
 const CYCLES: usize = 24;
-const WORKERS: usize = 8;
+const WORKERS: usize = 9;
 
 struct Server {
     child: Child,
@@ -122,8 +123,10 @@ async fn worker(url: String, worker: usize, cycle: usize, acks: Arc<Mutex<Acks>>
     let Ok(mut c) = FenceClient::connect(url).await else {
         return;
     };
-    if worker % 2 == 1 {
-        return batch_worker(c, worker, cycle, acks).await;
+    match worker % 3 {
+        1 => return batch_worker(c, worker, cycle, acks).await,
+        2 => return session_worker(c, worker, cycle, acks).await,
+        _ => {}
     }
     for n in 0.. {
         let step = step_of(worker, cycle, n);
@@ -183,6 +186,75 @@ async fn batch_worker(
             match result.result {
                 Some(pb::complete_result::Result::Response(_)) => completed(&acks, req),
                 other => panic!("unexpected completion result: {other:?}"),
+            }
+        }
+    }
+}
+
+/// Sends three Begins at once on a Session stream, then the completions of what was granted,
+/// counting only what was answered.
+async fn session_worker(
+    mut c: FenceClient<tonic::transport::Channel>,
+    worker: usize,
+    cycle: usize,
+    acks: Arc<Mutex<Acks>>,
+) {
+    use pb::session_request::Call;
+    use pb::session_response::Result as Answer;
+    let (calls, outgoing) = tokio::sync::mpsc::channel(16);
+    let Ok(resp) = c
+        .session(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+    else {
+        return;
+    };
+    let mut answers = resp.into_inner();
+    let send = |id: usize, call: Call| {
+        calls.send(pb::SessionRequest {
+            id: id as u64,
+            call: Some(call),
+            ..Default::default()
+        })
+    };
+    for round in 0.. {
+        let steps: Vec<String> = (0..3)
+            .map(|i| step_of(worker, cycle, round * 3 + i))
+            .collect();
+        for (id, step) in steps.iter().enumerate() {
+            if send(id, Call::Begin(call_of(worker, step))).await.is_err() {
+                return;
+            }
+        }
+        let mut done: HashMap<u64, pb::CompleteRequest> = HashMap::new();
+        for _ in 0..steps.len() {
+            let Ok(Some(answer)) = answers.message().await else {
+                return;
+            };
+            let step = &steps[answer.id as usize];
+            match answer.result {
+                Some(Answer::Begin(r)) => {
+                    if let Some(ex) = decided(&acks, step, r.decision) {
+                        done.insert(answer.id, completion_of(&ex, step));
+                    }
+                }
+                other => panic!("unexpected session answer for {step}: {other:?}"),
+            }
+        }
+        for (id, req) in &done {
+            if send(*id as usize, Call::Complete(req.clone()))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        for _ in 0..done.len() {
+            let Ok(Some(answer)) = answers.message().await else {
+                return;
+            };
+            match answer.result {
+                Some(Answer::Complete(_)) => completed(&acks, done[&answer.id].clone()),
+                other => panic!("unexpected session completion: {other:?}"),
             }
         }
     }
@@ -263,6 +335,17 @@ async fn kill_dash_nine_under_load_loses_nothing_acknowledged() {
         "the load should have completed work in most cycles (got {})",
         acks.completions.len()
     );
+    // Every kind of worker (unary, batch, session) had completions acknowledged and checked.
+    for kind in 0..3 {
+        let completed = acks.grants.iter().any(|(step, (effect_id, _))| {
+            let worker: usize = step[1..step.find('-').unwrap()].parse().unwrap();
+            worker % 3 == kind && acks.completions.contains_key(effect_id)
+        });
+        assert!(
+            completed,
+            "no completion was acknowledged to a worker of kind {kind}"
+        );
+    }
     let mut child = server.child;
     child.kill().unwrap();
     child.wait().unwrap();
