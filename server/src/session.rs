@@ -174,10 +174,11 @@ impl<S: Store> Reader<S> {
                 ),
             );
         };
-        let method = match &call {
-            Call::Begin(_) => "Session/Begin",
-            Call::Complete(_) => "Session/Complete",
-            Call::Heartbeat(_) => "Session/Heartbeat",
+        // (metrics label, span path): static, so a call allocates nothing for them.
+        let (method, path) = match &call {
+            Call::Begin(_) => ("Session/Begin", "/fence.v1.Fence/Session/Begin"),
+            Call::Complete(_) => ("Session/Complete", "/fence.v1.Fence/Session/Complete"),
+            Call::Heartbeat(_) => ("Session/Heartbeat", "/fence.v1.Fence/Session/Heartbeat"),
         };
         if let Some(limit) = &self.sessions.rate_limit
             && let Err(status) = limit.check(&self.tenant)
@@ -191,7 +192,7 @@ impl<S: Store> Reader<S> {
         let call_of = InFlight {
             id,
             method,
-            span: crate::trace::call_span(&format!("/fence.v1.Fence/{method}"), parent),
+            span: crate::trace::call_span(path, parent),
             permit,
             started: Instant::now(),
         };

@@ -72,8 +72,12 @@ fn begin(step: &str, amount: u32) -> tonic::Request<pb::BeginRequest> {
     request
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_rpc_is_exported_as_a_span_of_the_callers_trace_with_its_decision() {
+/// An in-process OTLP collector: what it received, its endpoint, and its serving task.
+async fn collector() -> (
+    Collector,
+    String,
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+) {
     let collector = Collector::default();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
@@ -82,7 +86,105 @@ async fn each_rpc_is_exported_as_a_span_of_the_callers_trace_with_its_decision()
             .add_service(TraceServiceServer::new(collector.clone()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
+    (collector, endpoint, serving)
+}
 
+/// Every span the collector received.
+fn spans_of(collector: &Collector) -> Vec<Span> {
+    collector
+        .received
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|r| &r.resource_spans)
+        .flat_map(|r| &r.scope_spans)
+        .flat_map(|s| s.spans.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_session_call_is_a_span_of_its_own_trace_or_of_the_streams() {
+    use pb::session_request::Call;
+    let (collector, endpoint, serving) = collector().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut fenced = Fenced::start(dir.path(), &["--otlp-endpoint", &endpoint]);
+    let mut c = pb::fence_client::FenceClient::connect(fenced.url())
+        .await
+        .unwrap();
+    let (calls, outgoing) = tokio::sync::mpsc::channel(4);
+    let mut answers = c
+        .session(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    // The Begin carries its own trace; the Heartbeat does not.
+    calls
+        .send(pb::SessionRequest {
+            id: 1,
+            call: Some(Call::Begin(begin("charge", 5).into_inner())),
+            traceparent: format!("00-{TRACE_ID}-{PARENT_ID}-01"),
+        })
+        .await
+        .unwrap();
+    let answer = answers.message().await.unwrap().unwrap();
+    let Some(pb::session_response::Result::Begin(begun)) = answer.result else {
+        panic!("{answer:?}")
+    };
+    let Some(O::Execute(grant)) = begun.decision.and_then(|d| d.outcome) else {
+        panic!("expected a grant")
+    };
+    calls
+        .send(pb::SessionRequest {
+            id: 2,
+            call: Some(Call::Heartbeat(pb::HeartbeatRequest {
+                effect_id: grant.effect_id.clone(),
+                attempt: grant.attempt,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    answers.message().await.unwrap().unwrap();
+    drop(calls);
+    while answers.message().await.unwrap().is_some() {}
+    assert!(fenced.terminate().success());
+    serving.abort();
+
+    let spans = spans_of(&collector);
+    let named = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no {name} span in {spans:#?}"))
+    };
+    let begin = named("fence.v1.Fence/Session/Begin");
+    assert_eq!(hex(&begin.trace_id), TRACE_ID);
+    assert_eq!(hex(&begin.parent_span_id), PARENT_ID);
+    assert_eq!(text(begin, "rpc.method"), Some("Session/Begin"));
+    assert_eq!(text(begin, "fence.decision"), Some("execute"));
+    assert_eq!(
+        text(begin, "fence.effect_id"),
+        Some(grant.effect_id.as_str())
+    );
+    assert_eq!(
+        attr(begin, "rpc.grpc.status_code"),
+        Some(&Value::IntValue(0))
+    );
+    // Without a traceparent of its own, a call is a child of its stream's span.
+    let stream = named("fence.v1.Fence/Session");
+    let heartbeat = named("fence.v1.Fence/Session/Heartbeat");
+    assert_eq!(heartbeat.parent_span_id, stream.span_id);
+    assert_eq!(heartbeat.trace_id, stream.trace_id);
+    assert_eq!(
+        attr(heartbeat, "rpc.grpc.status_code"),
+        Some(&Value::IntValue(0))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_rpc_is_exported_as_a_span_of_the_callers_trace_with_its_decision() {
+    let (collector, endpoint, serving) = collector().await;
     let dir = tempfile::tempdir().unwrap();
     let mut fenced = Fenced::start(dir.path(), &["--otlp-endpoint", &endpoint]);
     let mut c = pb::fence_client::FenceClient::connect(fenced.url())
