@@ -68,9 +68,20 @@ struct Call<'a> {
     credential_hashes: Vec<[u8; 32]>,
     compensates_seq: u64,
     now: u64,
+    /// The step key's name key, derived once (a call looks its step up and indexes it);
+    /// `None` for a call without a step key.
+    step_name: Option<keys::NameKey>,
 }
 
 impl Call<'_> {
+    /// The key of the call's step key in branch `b`'s step index.
+    fn step_index_key(&self, b: u32) -> Vec<u8> {
+        match &self.step_name {
+            Some(name) => keys::step_named(&self.rk, b, name),
+            None => keys::step(&self.rk, b, &self.cmd.step_key),
+        }
+    }
+
     fn class(&self) -> OpClass {
         self.tool.class()
     }
@@ -231,6 +242,7 @@ impl<S: Store> Ledger<S> {
             credential_hashes,
             compensates_seq,
             now,
+            step_name: (!cmd.step_key.is_empty()).then(|| keys::name_key(&cmd.step_key)),
         };
 
         if call.class() == OpClass::SafeRetry && !cmd.record && cmd.credentials.is_empty() {
@@ -258,10 +270,14 @@ impl<S: Store> Ledger<S> {
                 .into())
             }
             other => {
-                let cred_keys: Vec<Vec<u8>> = call
-                    .credential_hashes
+                let tk = (!call.credential_hashes.is_empty()).then(|| keys::tenant_key(tenant));
+                let cred_keys: Vec<Vec<u8>> = tk
                     .iter()
-                    .map(|h| keys::credential(&keys::tenant_key(tenant), h))
+                    .flat_map(|tk| {
+                        call.credential_hashes
+                            .iter()
+                            .map(|h| keys::credential(tk, h))
+                    })
                     .collect();
                 let refs: Vec<&[u8]> = cred_keys.iter().map(Vec::as_slice).collect();
                 let _cred_guards = self.credentials.lock_many(&refs);
@@ -464,7 +480,7 @@ impl<S: Store> Ledger<S> {
     /// The effect the call's step key names on its lineage, if any.
     fn match_step(&self, call: &Call<'_>) -> Result<Option<Match>> {
         for (b, limit) in call.run.lineage(call.branch) {
-            let key = keys::step(&call.rk, b, &call.cmd.step_key);
+            let key = call.step_index_key(b);
             if let Some(entry) = self.get::<IndexEntry>(&key)?
                 && entry.position < limit
             {
@@ -581,8 +597,7 @@ impl<S: Store> Ledger<S> {
         seqs: &[u64],
     ) -> Result<Option<u64>> {
         for &b in branches {
-            if let Some(entry) =
-                self.get::<IndexEntry>(&keys::step(&call.rk, b, &call.cmd.step_key))?
+            if let Some(entry) = self.get::<IndexEntry>(&call.step_index_key(b))?
                 && seqs.contains(&entry.seq)
             {
                 return Ok(Some(entry.seq));
@@ -677,6 +692,9 @@ impl<S: Store> Ledger<S> {
 
     /// Checks every presented credential; see [`Gate`].
     fn credential_gate(&self, call: &Call<'_>) -> Result<Gate> {
+        if call.credential_hashes.is_empty() {
+            return Ok(Gate::Pass(Vec::new()));
+        }
         let tk = keys::tenant_key(call.tenant);
         let mut pass = Vec::with_capacity(call.credential_hashes.len());
         for (hash, presented) in call.credential_hashes.iter().zip(&call.cmd.credentials) {
@@ -846,7 +864,7 @@ impl<S: Store> Ledger<S> {
         {
             // The same effect under the caller's new name for the step: an alias, so the
             // step key is bound from now on (adoption does this for carried effects).
-            let step = keys::step(&call.rk, call.branch, &call.cmd.step_key);
+            let step = call.step_index_key(call.branch);
             if self.store.get(&step)?.is_none() {
                 let entry = IndexEntry {
                     seq: rec.seq,
@@ -1012,10 +1030,7 @@ impl<S: Store> Ledger<S> {
         let mut batch = Batch::new();
         self.put_effect(&mut batch, &call.rk, &rec);
         if !call.cmd.step_key.is_empty() {
-            batch.put(
-                keys::step(&call.rk, call.branch, &call.cmd.step_key),
-                codec::encode(&index),
-            );
+            batch.put(call.step_index_key(call.branch), codec::encode(&index));
         }
         batch.put(
             keys::intent(&call.rk, call.branch, call.fp(), occurrence),
@@ -1025,15 +1040,17 @@ impl<S: Store> Ledger<S> {
             keys::branch_log(&call.rk, call.branch, rec.position),
             codec::encode(&index),
         );
-        let tk = keys::tenant_key(call.tenant);
-        for cred in &mut creds {
-            cred.uses += 1;
-            cred.spent_by.push(EffectRef {
-                run_key: call.rk.to_vec(),
-                seq,
-            });
-            let hash: [u8; 32] = cred.hash[..].try_into().expect("hashes are 32 bytes");
-            batch.put(keys::credential(&tk, &hash), codec::encode(&*cred));
+        if !creds.is_empty() {
+            let tk = keys::tenant_key(call.tenant);
+            for cred in &mut creds {
+                cred.uses += 1;
+                cred.spent_by.push(EffectRef {
+                    run_key: call.rk.to_vec(),
+                    seq,
+                });
+                let hash: [u8; 32] = cred.hash[..].try_into().expect("hashes are 32 bytes");
+                batch.put(keys::credential(&tk, &hash), codec::encode(&*cred));
+            }
         }
         call.run.next_seq = seq + 1;
         note_tool_version(&mut call.run, &rec.tool, rec.tool_version);

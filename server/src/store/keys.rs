@@ -154,10 +154,15 @@ pub fn decode_effect(key: &[u8]) -> Option<(RunKey, u64)> {
 
 /// A step key index entry.
 pub fn step(rk: &RunKey, branch: u32, step_key: &str) -> Vec<u8> {
+    step_named(rk, branch, &name_key(step_key))
+}
+
+/// [`step`] with the step key's [`name_key`] already derived (one derivation per call).
+pub fn step_named(rk: &RunKey, branch: u32, name: &NameKey) -> Vec<u8> {
     KeyBuf::new(Kind::StepKey, 36)
         .bytes(rk)
         .u32(branch)
-        .bytes(&name_key(step_key))
+        .bytes(name)
         .0
 }
 
