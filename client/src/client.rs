@@ -1113,12 +1113,7 @@ impl FenceClient {
         let request = pb::CompleteBatchRequest {
             completions: completions
                 .iter()
-                .map(|c| pb::CompleteRequest {
-                    effect_id: c.effect_id.clone(),
-                    attempt: c.attempt,
-                    epoch: c.epoch,
-                    outcome: Some(c.completion.clone().into()),
-                })
+                .map(|c| complete_request(&c.effect_id, c.attempt, c.epoch, c.completion.clone()))
                 .collect(),
         };
         let response = self
@@ -1151,12 +1146,7 @@ impl FenceClient {
         epoch: u64,
         extend_ms: u64,
     ) -> Result<Receipt, Error> {
-        let request = pb::HeartbeatRequest {
-            effect_id: effect_id.to_owned(),
-            attempt,
-            epoch,
-            extend_ms,
-        };
+        let request = heartbeat_request(effect_id, attempt, epoch, extend_ms);
         let response = self
             .unary(request, |mut s, r| async move { s.heartbeat(r).await })
             .await?;
@@ -1182,12 +1172,7 @@ impl FenceClient {
         epoch: u64,
         completion: Completion,
     ) -> Result<Receipt, Error> {
-        let request = pb::CompleteRequest {
-            effect_id: effect_id.to_owned(),
-            attempt,
-            epoch,
-            outcome: Some(completion.into()),
-        };
+        let request = complete_request(effect_id, attempt, epoch, completion);
         let response = self
             .unary(request, |mut s, r| async move { s.complete(r).await })
             .await?;
@@ -1402,6 +1387,36 @@ impl FenceClient {
 
 /// Splits a batch response into one result per call, each error as the status the call would
 /// have failed with alone; a response with the wrong number of results is a protocol error.
+/// The request of one Complete (unary or on a session).
+pub(crate) fn complete_request(
+    effect_id: &str,
+    attempt: u32,
+    epoch: u64,
+    completion: Completion,
+) -> pb::CompleteRequest {
+    pb::CompleteRequest {
+        effect_id: effect_id.to_owned(),
+        attempt,
+        epoch,
+        outcome: Some(completion.into()),
+    }
+}
+
+/// The request of one Heartbeat (unary or on a session).
+pub(crate) fn heartbeat_request(
+    effect_id: &str,
+    attempt: u32,
+    epoch: u64,
+    extend_ms: u64,
+) -> pb::HeartbeatRequest {
+    pb::HeartbeatRequest {
+        effect_id: effect_id.to_owned(),
+        attempt,
+        epoch,
+        extend_ms,
+    }
+}
+
 fn batch_results<R, T>(
     expected: usize,
     results: Vec<R>,

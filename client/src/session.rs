@@ -16,7 +16,7 @@ use pb::session_request::Call;
 use pb::session_response::Result as Answer;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::client::{EffectCall, FenceClient};
+use crate::client::{EffectCall, FenceClient, complete_request, heartbeat_request};
 use crate::error::Error;
 use crate::types::{BeginOutcome, Completion, Receipt, receipt_req};
 
@@ -141,12 +141,7 @@ impl Session {
         epoch: u64,
         completion: Completion,
     ) -> Result<Receipt, Error> {
-        let request = pb::CompleteRequest {
-            effect_id: effect_id.to_owned(),
-            attempt,
-            epoch,
-            outcome: Some(completion.into()),
-        };
+        let request = complete_request(effect_id, attempt, epoch, completion);
         match self.call(Call::Complete(request)).await? {
             Answer::Complete(c) => receipt_req(c.receipt, "receipt"),
             other => Err(unexpected("complete", &other)),
@@ -161,12 +156,7 @@ impl Session {
         epoch: u64,
         extend_ms: u64,
     ) -> Result<Receipt, Error> {
-        let request = pb::HeartbeatRequest {
-            effect_id: effect_id.to_owned(),
-            attempt,
-            epoch,
-            extend_ms,
-        };
+        let request = heartbeat_request(effect_id, attempt, epoch, extend_ms);
         match self.call(Call::Heartbeat(request)).await? {
             Answer::Heartbeat(h) => receipt_req(h.receipt, "receipt"),
             other => Err(unexpected("heartbeat", &other)),

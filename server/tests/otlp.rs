@@ -72,21 +72,44 @@ fn begin(step: &str, amount: u32) -> tonic::Request<pb::BeginRequest> {
     request
 }
 
-/// An in-process OTLP collector: what it received, its endpoint, and its serving task.
-async fn collector() -> (
-    Collector,
-    String,
-    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
-) {
-    let collector = Collector::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    let serving = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    (collector, endpoint, serving)
+/// An in-process OTLP collector and a real `fenced` exporting to it.
+struct Traced {
+    collector: Collector,
+    serving: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    fenced: Fenced,
+    client: pb::fence_client::FenceClient<tonic::transport::Channel>,
+    _dir: tempfile::TempDir,
+}
+
+impl Traced {
+    async fn start() -> Traced {
+        let collector = Collector::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let serving = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(collector.clone()))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let fenced = Fenced::start(dir.path(), &["--otlp-endpoint", &endpoint]);
+        let client = pb::fence_client::FenceClient::connect(fenced.url())
+            .await
+            .unwrap();
+        Traced {
+            collector,
+            serving,
+            fenced,
+            client,
+            _dir: dir,
+        }
+    }
+
+    /// Stops `fenced` (which flushes what its exporter still holds) and the collector.
+    fn stop(&mut self) {
+        assert!(self.fenced.terminate().success());
+        self.serving.abort();
+    }
 }
 
 /// Every span the collector received.
@@ -105,14 +128,10 @@ fn spans_of(collector: &Collector) -> Vec<Span> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_session_call_is_a_span_of_its_own_trace_or_of_the_streams() {
     use pb::session_request::Call;
-    let (collector, endpoint, serving) = collector().await;
-    let dir = tempfile::tempdir().unwrap();
-    let mut fenced = Fenced::start(dir.path(), &["--otlp-endpoint", &endpoint]);
-    let mut c = pb::fence_client::FenceClient::connect(fenced.url())
-        .await
-        .unwrap();
+    let mut traced = Traced::start().await;
     let (calls, outgoing) = tokio::sync::mpsc::channel(4);
-    let mut answers = c
+    let mut answers = traced
+        .client
         .session(tokio_stream::wrappers::ReceiverStream::new(outgoing))
         .await
         .unwrap()
@@ -148,10 +167,9 @@ async fn each_session_call_is_a_span_of_its_own_trace_or_of_the_streams() {
     answers.message().await.unwrap().unwrap();
     drop(calls);
     while answers.message().await.unwrap().is_some() {}
-    assert!(fenced.terminate().success());
-    serving.abort();
+    traced.stop();
 
-    let spans = spans_of(&collector);
+    let spans = spans_of(&traced.collector);
     let named = |name: &str| {
         spans
             .iter()
@@ -184,12 +202,8 @@ async fn each_session_call_is_a_span_of_its_own_trace_or_of_the_streams() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_rpc_is_exported_as_a_span_of_the_callers_trace_with_its_decision() {
-    let (collector, endpoint, serving) = collector().await;
-    let dir = tempfile::tempdir().unwrap();
-    let mut fenced = Fenced::start(dir.path(), &["--otlp-endpoint", &endpoint]);
-    let mut c = pb::fence_client::FenceClient::connect(fenced.url())
-        .await
-        .unwrap();
+    let mut traced = Traced::start().await;
+    let c = &mut traced.client;
     let begun = c.begin(begin("charge", 5)).await.unwrap().into_inner();
     let Some(O::Execute(grant)) = begun.decision.and_then(|d| d.outcome) else {
         panic!("expected a grant")
@@ -204,11 +218,9 @@ async fn each_rpc_is_exported_as_a_span_of_the_callers_trace_with_its_decision()
     .unwrap();
     c.begin(begin("charge", 5)).await.unwrap();
     c.begin(begin("charge", 6)).await.unwrap();
-    // Stopping flushes what the exporter still holds.
-    assert!(fenced.terminate().success());
-    serving.abort();
+    traced.stop();
 
-    let received = collector.received.lock().unwrap();
+    let received = traced.collector.received.lock().unwrap();
     let resources: Vec<_> = received.iter().flat_map(|r| &r.resource_spans).collect();
     assert!(!resources.is_empty(), "no spans were exported");
     let service = resources[0]
