@@ -57,7 +57,11 @@ scale)
   ;;
 cost)
   release
+  echo "## unary calls"
   "$bin/fence-load" cost --concurrency 1,64 "$@"
+  echo
+  echo "## each worker's calls on a Session stream"
+  "$bin/fence-load" cost --concurrency 1,64 --session "$@"
   echo
   echo "| ledger in process, no gRPC | instructions per effect (callgrind) |"
   echo "|---|---:|"
