@@ -166,3 +166,31 @@ async fn after_the_server_restarts_the_session_opens_a_new_stream() {
         "a second request for a running effect was {second:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_built_with_sessions_runs_the_protocol_on_one_stream() {
+    use fence_client::{OutcomeSource, ToolError};
+    let server = TestServer::start().await;
+    let (client, faults) = server.faulty_client_with(|b| b.sessions(true)).await;
+    let run = unique("run");
+    let call = charge(&run, "pay");
+    let executed = client
+        .run_effect(&call, |ctx| async move {
+            Ok::<_, ToolError>(format!("charged:{}", ctx.downstream_key).into_bytes())
+        })
+        .await
+        .unwrap();
+    assert_eq!(executed.source, OutcomeSource::Executed);
+    let replayed = client
+        .run_effect(&call, |_| async {
+            panic!("a recorded effect must not run again")
+        })
+        .await
+        .unwrap();
+    assert_eq!(replayed.source, OutcomeSource::Replayed);
+    assert_eq!(replayed.result, executed.result);
+    // Every Begin and Complete went over one Session stream; no unary call was sent.
+    assert_eq!(faults.sent("Session"), 1);
+    assert_eq!(faults.sent("Begin"), 0);
+    assert_eq!(faults.sent("Complete"), 0);
+}

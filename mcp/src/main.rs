@@ -83,6 +83,12 @@ struct Args {
     #[arg(long, env = "FENCE_MCP_FENCE_TOOLS")]
     fence_tools: bool,
 
+    /// How the gateway sends its Begin, Complete and Heartbeat calls to Fence: `session`
+    /// (messages on one long-lived Session stream, the default) or `unary` (one RPC each).
+    /// The decisions are the same.
+    #[arg(long, env = "FENCE_MCP_FENCE_TRANSPORT", default_value = "session", value_parser = ["session", "unary"])]
+    fence_transport: String,
+
     /// An upstream MCP server reached over streamable HTTP (e.g. http://127.0.0.1:8000/mcp),
     /// instead of a command.
     #[arg(long, env = "FENCE_MCP_UPSTREAM_URL")]
@@ -131,8 +137,9 @@ async fn main() -> anyhow::Result<()> {
     let base = {
         let url = url.clone();
         let tls = tls.clone();
+        let sessions = args.fence_transport == "session";
         move || {
-            let builder = FenceClient::builder(url.clone());
+            let builder = FenceClient::builder(url.clone()).sessions(sessions);
             match &tls {
                 Some(tls) => builder.tls(tls.clone()),
                 None => builder,

@@ -269,6 +269,8 @@ pub async fn serve_ledger_with(
         max_streams_per_connection,
         max_session_in_flight,
     } = opts;
+    // What holds the ledger besides this server (an embedder's handles): see the end.
+    let held_outside = Arc::strong_count(&ledger);
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<FenceServer<FenceService<RocksStore>>>()
@@ -339,6 +341,17 @@ pub async fn serve_ledger_with(
     health_reporter
         .set_not_serving::<FenceServer<FenceService<RocksStore>>>()
         .await;
+    // Connection tasks drop their clones of the services (which hold the ledger) a moment
+    // after the transport returns, and Session streams' readers and the blocking pool may
+    // still be finishing a call: wait for them, so an embedder that restarts on the same data
+    // dir finds it closed, not locked.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while Arc::strong_count(&ledger) > held_outside && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    if Arc::strong_count(&ledger) > held_outside {
+        tracing::warn!("the ledger is still in use 30 s after the shutdown; closing anyway");
+    }
     tracing::info!("drained; closing the ledger");
     // Dropping the last reference closes RocksDB (every write was already synced).
     drop(ledger);

@@ -91,7 +91,10 @@ def test_tools_are_listed_through(world: World, embedded: list[str]) -> None:
     assert {"charge", "create_server", "read_balance"} <= names
 
 
-def test_a_reissued_call_with_volatile_drift_is_one_effect(world: World, embedded: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["session", "unary"])
+def test_a_reissued_call_with_volatile_drift_is_one_effect(
+    world: World, embedded: list[str], tmp_path: Path, transport: str
+) -> None:
     config = tmp_path / "gateway.toml"
     config.write_text('[tools.charge]\nvolatile_fields = ["reference"]\n')
 
@@ -102,7 +105,7 @@ def test_a_reissued_call_with_volatile_drift_is_one_effect(world: World, embedde
         again = await s.call_tool("charge", {"customer": "bob", "amount": 5, "reference": str(uuid.uuid4())})
         return first, again
 
-    first, again = run_session([*embedded, "--config", str(config)], world, body)
+    first, again = run_session([*embedded, "--config", str(config), "--fence-transport", transport], world, body)
     assert not first.isError and not again.isError
     assert again.content[0].text == first.content[0].text
     charges = world.effects("charge")
@@ -481,7 +484,7 @@ def test_configured_string_normalisation_makes_spellings_one_intent(world: World
     async def body(s: ClientSession) -> Any:
         return [await s.call_tool("create_server", {"name": name, "cpu": 2}) for name in ("Web1", " web1 ")]
 
-    first, again = run_session([*embedded, "--config", str(config)], world, body)
+    first, again = run_session([*embedded, "--config", str(config), "--fence-transport", transport], world, body)
     assert not first.isError and again.content[0].text == first.content[0].text
     assert len(world.effects("create")) == 1
 

@@ -105,13 +105,21 @@ impl TestServer {
 
     /// A client whose transport is `channel` wrapped in a [`Faults`] layer.
     pub async fn faulty_client(&self) -> (FenceClient, Faults) {
+        self.faulty_client_with(|b| b).await
+    }
+
+    /// [`TestServer::faulty_client`] with the builder changed by `configure`.
+    pub async fn faulty_client_with(
+        &self,
+        configure: impl FnOnce(fence_client::FenceClientBuilder) -> fence_client::FenceClientBuilder,
+    ) -> (FenceClient, Faults) {
         let channel = Endpoint::from_shared(self.url())
             .unwrap()
             .connect()
             .await
             .unwrap();
         let faults = Faults::new(channel);
-        let client = builder(&self.url())
+        let client = configure(builder(&self.url()))
             .build_with_service(faults.clone())
             .unwrap();
         (client, faults)
