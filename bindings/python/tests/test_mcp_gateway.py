@@ -484,7 +484,7 @@ def test_configured_string_normalisation_makes_spellings_one_intent(world: World
     async def body(s: ClientSession) -> Any:
         return [await s.call_tool("create_server", {"name": name, "cpu": 2}) for name in ("Web1", " web1 ")]
 
-    first, again = run_session([*embedded, "--config", str(config), "--fence-transport", transport], world, body)
+    first, again = run_session([*embedded, "--config", str(config)], world, body)
     assert not first.isError and again.content[0].text == first.content[0].text
     assert len(world.effects("create")) == 1
 
