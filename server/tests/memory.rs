@@ -13,6 +13,7 @@ use fence_proto::v1 as pb;
 use fence_proto::v1::decision::Outcome as O;
 use fence_proto::v1::fence_client::FenceClient;
 use prost::Message;
+use tokio_stream::StreamExt as _;
 
 /// fenced's resident memory, MiB.
 fn rss_mib(pid: u32) -> u64 {
@@ -162,4 +163,87 @@ async fn unread_responses_are_bounded_and_reused_across_connections() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     trace_peaks(baseline, &peaks);
+}
+
+/// One Session stream sending thousands of large calls and never reading an answer: the
+/// server decides at most `--max-session-in-flight` of them, stops reading the stream, and
+/// holds only those answers, however much the caller sends; other clients are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_never_reads_its_answers_is_held_to_its_in_flight_bound() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let dir = tempfile::tempdir().unwrap();
+    let fenced = Fenced::start(dir.path(), &["--max-session-in-flight", "64"]);
+    let addr = fenced.addr.clone();
+    let mut c = FenceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let pid = fenced.child.id();
+    let baseline = rss_mib(pid);
+
+    // 4,000 calls of 100 KB arguments each (400 MB), each a new effect whose grant echoes
+    // its arguments: unbounded, the server would hold gigabytes.
+    const CALLS: usize = 4_000;
+    let padding = "p".repeat(100_000);
+    let sent = Arc::new(AtomicUsize::new(0));
+    let counter = sent.clone();
+    let calls = tokio_stream::iter(0..CALLS).map(move |i| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        pb::SessionRequest {
+            id: i as u64,
+            call: Some(pb::session_request::Call::Begin(pb::BeginRequest {
+                run_id: format!("hoard-{i}"),
+                tool: "report".into(),
+                arguments_json: format!(r#"{{"n":{i},"pad":"{padding}"}}"#),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    });
+    let mut hoarder = FenceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    // Held, never read.
+    let _answers = hoarder.session(calls).await.unwrap().into_inner();
+
+    // Wait until the caller can send no more (the server stopped reading).
+    let mut last = 0;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = sent.load(Ordering::SeqCst);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let stalled_at = sent.load(Ordering::SeqCst);
+    let loaded = rss_mib(pid);
+    eprintln!(
+        "session hoarder: {stalled_at} of {CALLS} calls sent; fenced RSS {baseline} -> {loaded} MiB"
+    );
+    assert!(
+        stalled_at < CALLS / 2,
+        "the server kept reading a stream whose answers were never read ({stalled_at} calls)"
+    );
+    // 64 decided calls and their answers (about 200 KB each), what HTTP/2 windows and the
+    // decoder hold, and the allocator's slack.
+    assert!(
+        loaded <= baseline + 256,
+        "fenced grew from {baseline} to {loaded} MiB"
+    );
+    // Other clients are served meanwhile.
+    let other = tokio::time::timeout(
+        Duration::from_secs(5),
+        c.begin(pb::BeginRequest {
+            run_id: "other".into(),
+            tool: "report".into(),
+            arguments_json: "{}".into(),
+            ..Default::default()
+        }),
+    )
+    .await
+    .expect("another client was not served while a session hoarded answers")
+    .unwrap();
+    assert!(other.into_inner().decision.is_some());
 }
