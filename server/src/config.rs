@@ -38,6 +38,12 @@ pub struct Config {
     #[arg(long, env = "FENCE_SWEEP_INTERVAL_MS", default_value_t = 60_000)]
     pub sweep_interval_ms: u64,
 
+    /// After SIGTERM or SIGINT, how long in-flight calls may drain (milliseconds) before
+    /// `fenced` exits anyway. A client that never reads its answers would otherwise hold the
+    /// shutdown forever; exiting loses nothing acknowledged (every answer follows its sync).
+    #[arg(long, env = "FENCE_SHUTDOWN_GRACE_MS", default_value_t = 10_000)]
+    pub shutdown_grace_ms: u64,
+
     /// File holding the 32-byte secret that keys credential hashes. Default:
     /// `<data-dir>/credential.key`, generated on first start.
     #[arg(long, env = "FENCE_CREDENTIAL_KEY_FILE")]

@@ -63,7 +63,35 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing::info!(%addr, data_dir = %config.data_dir.display(), "fenced starting");
 
-    let served = fence_server::serve(listener, config, shutdown_signal()).await;
+    let grace = std::time::Duration::from_millis(config.shutdown_grace_ms);
+    let (signalled, on_signal) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown_signal().await;
+        let _ = signalled.send(());
+    };
+    let serve = fence_server::serve(listener, config, shutdown);
+    let served = tokio::select! {
+        served = serve => Some(served),
+        () = async {
+            if on_signal.await.is_ok() {
+                tokio::time::sleep(grace).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        } => None,
+    };
+    let Some(served) = served else {
+        // Every answer was sent after its sync: what is still in flight was never
+        // acknowledged, so leaving now (as a kill would) loses nothing a caller was told.
+        tracing::warn!(
+            grace_ms = grace.as_millis() as u64,
+            "in-flight calls did not drain within the shutdown grace; exiting with them open"
+        );
+        if let Some(exporter) = exporter {
+            let _ = tokio::task::spawn_blocking(move || exporter.shutdown()).await;
+        }
+        std::process::exit(0);
+    };
     if let Some(exporter) = exporter {
         // Blocks while the last spans are sent: off the async threads.
         let _ = tokio::task::spawn_blocking(move || exporter.shutdown()).await;

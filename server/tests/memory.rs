@@ -165,30 +165,17 @@ async fn unread_responses_are_bounded_and_reused_across_connections() {
     trace_peaks(baseline, &peaks);
 }
 
-/// One Session stream sending thousands of large calls and never reading an answer: the
-/// server decides at most `--max-session-in-flight` of them, stops reading the stream, and
-/// holds only those answers, however much the caller sends; other clients are served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_that_never_reads_its_answers_is_held_to_its_in_flight_bound() {
+/// Opens a Session stream that sends up to `calls` Begins of 100 KB arguments (each a new
+/// effect, whose grant echoes them) and never reads an answer; returns the held answers and
+/// how many calls went out before the server stopped reading.
+async fn hoard_session(addr: &str, calls: usize) -> (tonic::Streaming<pb::SessionResponse>, usize) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    let dir = tempfile::tempdir().unwrap();
-    let fenced = Fenced::start(dir.path(), &["--max-session-in-flight", "64"]);
-    let addr = fenced.addr.clone();
-    let mut c = FenceClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let pid = fenced.child.id();
-    let baseline = rss_mib(pid);
-
-    // 4,000 calls of 100 KB arguments each (400 MB), each a new effect whose grant echoes
-    // its arguments: unbounded, the server would hold gigabytes.
-    const CALLS: usize = 4_000;
     let padding = "p".repeat(100_000);
     let sent = Arc::new(AtomicUsize::new(0));
     let counter = sent.clone();
-    let calls = tokio_stream::iter(0..CALLS).map(move |i| {
+    let requests = tokio_stream::iter(0..calls).map(move |i| {
         counter.fetch_add(1, Ordering::SeqCst);
         pb::SessionRequest {
             id: i as u64,
@@ -204,9 +191,7 @@ async fn a_session_that_never_reads_its_answers_is_held_to_its_in_flight_bound()
     let mut hoarder = FenceClient::connect(format!("http://{addr}"))
         .await
         .unwrap();
-    // Held, never read.
-    let _answers = hoarder.session(calls).await.unwrap().into_inner();
-
+    let answers = hoarder.session(requests).await.unwrap().into_inner();
     // Wait until the caller can send no more (the server stopped reading).
     let mut last = 0;
     for _ in 0..30 {
@@ -217,7 +202,47 @@ async fn a_session_that_never_reads_its_answers_is_held_to_its_in_flight_bound()
         }
         last = now;
     }
-    let stalled_at = sent.load(Ordering::SeqCst);
+    (answers, sent.load(Ordering::SeqCst))
+}
+
+/// A client that reads nothing cannot hold `fenced`'s shutdown: after SIGTERM it drains for
+/// `--shutdown-grace-ms`, then exits anyway (everything it acknowledged is already durable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_cannot_hold_the_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fenced = Fenced::start(dir.path(), &["--shutdown-grace-ms", "500"]);
+    let (_answers, _) = hoard_session(&fenced.addr, 1_000).await;
+    let exited = tokio::task::spawn_blocking(move || {
+        let status = fenced.terminate_within(Duration::from_secs(20));
+        (fenced, status)
+    })
+    .await
+    .unwrap()
+    .1;
+    assert!(
+        exited.is_some(),
+        "fenced was still draining a stream nobody reads 20 s after SIGTERM"
+    );
+}
+
+/// One Session stream sending thousands of large calls and never reading an answer: the
+/// server decides at most `--max-session-in-flight` of them, stops reading the stream, and
+/// holds only those answers, however much the caller sends; other clients are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_never_reads_its_answers_is_held_to_its_in_flight_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let fenced = Fenced::start(dir.path(), &["--max-session-in-flight", "64"]);
+    let addr = fenced.addr.clone();
+    let mut c = FenceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let pid = fenced.child.id();
+    let baseline = rss_mib(pid);
+
+    // 4,000 calls of 100 KB arguments each (400 MB), each a new effect whose grant echoes
+    // its arguments: unbounded, the server would hold gigabytes.
+    const CALLS: usize = 4_000;
+    let (_answers, stalled_at) = hoard_session(&addr, CALLS).await;
     let loaded = rss_mib(pid);
     eprintln!(
         "session hoarder: {stalled_at} of {CALLS} calls sent; fenced RSS {baseline} -> {loaded} MiB"

@@ -63,6 +63,26 @@ impl Fenced {
         self.child.wait().unwrap()
     }
 
+    /// Sends SIGTERM and waits up to `limit` for it to exit: `None` if it is still running.
+    pub fn terminate_within(
+        &mut self,
+        limit: std::time::Duration,
+    ) -> Option<std::process::ExitStatus> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -TERM failed");
+        let deadline = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        None
+    }
+
     /// Closes our end of its stdout, as a launcher that read only the address line does.
     pub fn close_stdout(&mut self) {
         self.stdout = None;
