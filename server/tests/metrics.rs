@@ -73,6 +73,27 @@ async fn counters_move_with_real_calls() {
     })
     .await
     .unwrap_err();
+    // On a Session stream: a grant, and a message holding no call.
+    let (calls, outgoing) = tokio::sync::mpsc::channel(4);
+    let mut answers = c
+        .session(tokio_stream::wrappers::ReceiverStream::new(outgoing))
+        .await
+        .unwrap()
+        .into_inner();
+    for request in [
+        pb::SessionRequest {
+            id: 1,
+            call: Some(pb::session_request::Call::Begin(call("s", 7))),
+            ..Default::default()
+        },
+        pb::SessionRequest {
+            id: 2,
+            ..Default::default()
+        },
+    ] {
+        calls.send(request).await.unwrap();
+        answers.message().await.unwrap().unwrap();
+    }
 
     let (status, body) = get(&metrics, "/metrics").await;
     assert!(status.contains("200"), "{status}");
@@ -83,7 +104,7 @@ async fn counters_move_with_real_calls() {
             &[("decision", decision), ("reason", reason)],
         )
     };
-    assert_eq!(d("execute", ""), Some(1.0), "{body}");
+    assert_eq!(d("execute", ""), Some(2.0), "{body}");
     assert_eq!(d("replay", ""), Some(1.0), "{body}");
     assert_eq!(d("refused", "ARGUMENT_MISMATCH"), Some(1.0), "{body}");
     let rpcs = |method, code| {
@@ -96,6 +117,9 @@ async fn counters_move_with_real_calls() {
     assert_eq!(rpcs("Begin", "OK"), Some(3.0), "{body}");
     assert_eq!(rpcs("Begin", "INVALID_ARGUMENT"), Some(1.0), "{body}");
     assert_eq!(rpcs("Complete", "OK"), Some(1.0), "{body}");
+    // Session calls are counted per call, under their own names.
+    assert_eq!(rpcs("Session/Begin", "OK"), Some(1.0), "{body}");
+    assert_eq!(rpcs("Session", "INVALID_ARGUMENT"), Some(1.0), "{body}");
     assert!(
         sample(&body, "fence_group_commits_total", &[("result", "ok")]).unwrap_or(0.0) >= 1.0,
         "{body}"
