@@ -14,7 +14,7 @@ use crate::ledger::batch::CompleteCmd;
 use crate::ledger::{BeginCmd, Ledger, LedgerError};
 use crate::quota::TenantRateLimit;
 use crate::sequencer::{Sequencer, route_of};
-use crate::session::{Deciders, SessionStream, Sessions};
+use crate::session::{SessionStream, Sessions};
 use crate::store::Store;
 use tokio::sync::watch;
 
@@ -23,9 +23,6 @@ pub struct FenceService<S> {
     ledger: Arc<Ledger<S>>,
     sequencer: Arc<Sequencer<S>>,
     sessions: Sessions<S>,
-    /// Kept so the Session streams' shutdown signal lives as long as the service when no
-    /// server wired one ([`FenceService::with_shutdown`]).
-    _stop: Option<watch::Sender<bool>>,
 }
 
 impl<S: Store> FenceService<S> {
@@ -44,7 +41,8 @@ impl<S: Store> FenceService<S> {
             n => n,
         };
         let sequencer = Arc::new(Sequencer::start(ledger.clone(), threads));
-        let (stop, stopping) = watch::channel(false);
+        // No server to signal a shutdown yet: streams end when their callers close them.
+        let (_, stopping) = watch::channel(false);
         Self {
             sessions: Sessions {
                 sequencer: sequencer.clone(),
@@ -54,7 +52,6 @@ impl<S: Store> FenceService<S> {
             },
             sequencer,
             ledger,
-            _stop: Some(stop),
         }
     }
 
@@ -78,7 +75,6 @@ impl<S: Store> FenceService<S> {
     /// (the server's graceful shutdown, which would otherwise wait on every open stream).
     pub fn with_shutdown(mut self, stopping: watch::Receiver<bool>) -> Self {
         self.sessions.stopping = stopping;
-        self._stop = None;
         self
     }
 
@@ -154,7 +150,7 @@ fn finished<T>(
 
 /// The route of an effect's run (its id holds the run key); 0 for an id that does not parse,
 /// which the ledger then refuses.
-fn effect_route(effect_id: &str) -> u64 {
+pub(crate) fn effect_route(effect_id: &str) -> u64 {
     effect_id
         .parse::<crate::ledger::EffectId>()
         .map_or(0, |id| crate::sequencer::route_of_key(&id.run_key))
@@ -175,7 +171,7 @@ pub(crate) fn call_error_of(status: &Status) -> pb::CallError {
 }
 
 /// Begin's decision, shared by the RPC and Session calls.
-fn begin_call<S: Store>(
+pub(crate) fn begin_call<S: Store>(
     l: &Ledger<S>,
     t: &str,
     r: pb::BeginRequest,
@@ -189,7 +185,7 @@ fn begin_call<S: Store>(
 }
 
 /// Complete's transition, shared by the RPC and Session calls.
-fn complete_call<S: Store>(
+pub(crate) fn complete_call<S: Store>(
     l: &Ledger<S>,
     t: &str,
     r: pb::CompleteRequest,
@@ -203,7 +199,7 @@ fn complete_call<S: Store>(
 }
 
 /// Heartbeat's lease extension, shared by the RPC and Session calls.
-fn heartbeat_call<S: Store>(
+pub(crate) fn heartbeat_call<S: Store>(
     l: &Ledger<S>,
     t: &str,
     r: pb::HeartbeatRequest,
@@ -215,7 +211,7 @@ fn heartbeat_call<S: Store>(
 }
 
 /// The sequencer route of a Begin: its run's.
-fn begin_route(tenant: &str, r: &pb::BeginRequest) -> u64 {
+pub(crate) fn begin_route(tenant: &str, r: &pb::BeginRequest) -> u64 {
     route_of(tenant, &r.run_id)
 }
 
@@ -486,18 +482,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         req: Request<tonic::Streaming<pb::SessionRequest>>,
     ) -> Result<Response<SessionStream>, Status> {
         let tenant = tenant_of(&req)?;
-        let deciders = Deciders {
-            begin: begin_call::<S>,
-            complete: complete_call::<S>,
-            heartbeat: heartbeat_call::<S>,
-            route_begin: begin_route,
-            route_effect: effect_route,
-        };
-        Ok(Response::new(self.sessions.open(
-            tenant,
-            req.into_inner(),
-            deciders,
-        )))
+        Ok(Response::new(self.sessions.open(tenant, req.into_inner())))
     }
 
     async fn reconcile(

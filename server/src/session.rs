@@ -24,6 +24,7 @@ use tracing::Instrument as _;
 use crate::ledger::{Ledger, LedgerError};
 use crate::quota::TenantRateLimit;
 use crate::sequencer::Sequencer;
+use crate::service;
 use crate::store::Store;
 use crate::trace::TraceParent;
 
@@ -69,13 +70,11 @@ impl<S: Store> Sessions<S> {
         &self,
         tenant: Arc<str>,
         calls: Streaming<pb::SessionRequest>,
-        decide: Deciders<S>,
     ) -> SessionStream {
         let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
         let reader = Reader {
             sessions: self.clone(),
             tenant,
-            decide,
             tx,
             in_flight: Arc::new(Semaphore::new(self.max_in_flight.max(1))),
         };
@@ -90,21 +89,9 @@ impl<S: Store> Sessions<S> {
     }
 }
 
-/// The decision functions the unary RPCs use, shared so a session call is decided by the
-/// very same code.
-pub(crate) struct Deciders<S> {
-    pub(crate) begin: Decide<S, pb::BeginRequest, pb::BeginResponse>,
-    pub(crate) complete: Decide<S, pb::CompleteRequest, pb::CompleteResponse>,
-    pub(crate) heartbeat: Decide<S, pb::HeartbeatRequest, pb::HeartbeatResponse>,
-    /// The sequencer route of a Begin (by its run) and of an effect's calls (by its id).
-    pub(crate) route_begin: fn(&str, &pb::BeginRequest) -> u64,
-    pub(crate) route_effect: fn(&str) -> u64,
-}
-
 struct Reader<S> {
     sessions: Sessions<S>,
     tenant: Arc<str>,
-    decide: Deciders<S>,
     tx: mpsc::UnboundedSender<Outgoing>,
     in_flight: Arc<Semaphore>,
 }
@@ -119,25 +106,15 @@ impl<S: Store> Reader<S> {
             ))
         };
         let ended = loop {
-            if *stopping.borrow_and_update() {
-                break shutting_down();
-            }
             // Wait for room before reading: while the bound is reached the caller's further
-            // calls stay in the transport, held by flow control. A dropped signal (the server
-            // is gone) ends the stream too.
+            // calls stay in the transport, held by flow control.
             let permit = tokio::select! {
                 p = self.in_flight.clone().acquire_owned() => p.expect("the semaphore is never closed"),
-                r = stopping.changed() => match r {
-                    Ok(()) => continue,
-                    Err(_) => break shutting_down(),
-                },
+                () = shutdown_begun(&mut stopping) => break shutting_down(),
             };
             let message = tokio::select! {
                 m = calls.message() => m,
-                r = stopping.changed() => match r {
-                    Ok(()) => continue,
-                    Err(_) => break shutting_down(),
-                },
+                () = shutdown_begun(&mut stopping) => break shutting_down(),
             };
             match message {
                 Ok(Some(call)) => self.call(call, permit),
@@ -196,20 +173,30 @@ impl<S: Store> Reader<S> {
             permit,
             started: Instant::now(),
         };
+        // The unary RPCs' own decision functions and routes: a session call is decided by the
+        // very same code.
         let tenant = self.tenant.clone();
-        let d = &self.decide;
         match call {
             Call::Begin(r) => {
-                let route = (d.route_begin)(&tenant, &r);
-                self.dispatch(call_of, route, tenant, r, d.begin, Answer::Begin);
+                let route = service::begin_route(&tenant, &r);
+                self.dispatch(
+                    call_of,
+                    route,
+                    tenant,
+                    r,
+                    service::begin_call,
+                    Answer::Begin,
+                );
             }
             Call::Complete(r) => {
-                let route = (d.route_effect)(&r.effect_id);
-                self.dispatch(call_of, route, tenant, r, d.complete, Answer::Complete);
+                let route = service::effect_route(&r.effect_id);
+                let f = service::complete_call;
+                self.dispatch(call_of, route, tenant, r, f, Answer::Complete);
             }
             Call::Heartbeat(r) => {
-                let route = (d.route_effect)(&r.effect_id);
-                self.dispatch(call_of, route, tenant, r, d.heartbeat, Answer::Heartbeat);
+                let route = service::effect_route(&r.effect_id);
+                let f = service::heartbeat_call;
+                self.dispatch(call_of, route, tenant, r, f, Answer::Heartbeat);
             }
         }
     }
@@ -265,10 +252,18 @@ struct InFlight {
     started: Instant,
 }
 
+/// Resolves once the server's graceful shutdown has begun; never, when no server will
+/// signal one (a service built without [`crate::service::FenceService::with_shutdown`]).
+async fn shutdown_begun(stopping: &mut watch::Receiver<bool>) {
+    if stopping.wait_for(|stop| *stop).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// A call's error as its answer.
 fn error_answer(id: u64, status: &Status) -> pb::SessionResponse {
     pb::SessionResponse {
         id,
-        result: Some(Answer::Error(crate::service::call_error_of(status))),
+        result: Some(Answer::Error(service::call_error_of(status))),
     }
 }
