@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status};
 use crate::auth::tenant_of;
 use crate::convert;
 use crate::ledger::batch::CompleteCmd;
+use crate::ledger::begin::PreparedBegin;
 use crate::ledger::{BeginCmd, Ledger, LedgerError};
 use crate::quota::TenantRateLimit;
 use crate::sequencer::{Sequencer, route_of};
@@ -45,6 +46,7 @@ impl<S: Store> FenceService<S> {
         let (_, stopping) = watch::channel(false);
         Self {
             sessions: Sessions {
+                ledger: ledger.clone(),
                 sequencer: sequencer.clone(),
                 rate_limit: None,
                 max_in_flight: crate::session::DEFAULT_MAX_IN_FLIGHT,
@@ -78,24 +80,27 @@ impl<S: Store> FenceService<S> {
         self
     }
 
-    /// Runs `f` on the sequencer of `route`, with the caller's tenant: answered once the
-    /// group it was decided in is durable.
-    async fn sequenced<T, Q, F>(
+    /// Prepares the request on this thread (`prepare`: what needs no run state, and the
+    /// route), then runs `f` on the sequencer of that route, with the caller's tenant:
+    /// answered once the group it was decided in is durable.
+    async fn sequenced<T, Q, P, F>(
         &self,
         method: &'static str,
         req: Request<Q>,
-        route: impl FnOnce(&str, &Q) -> u64,
+        prepare: impl FnOnce(&Ledger<S>, &str, Q) -> Result<(u64, P), LedgerError>,
         f: F,
     ) -> Result<Response<T>, Status>
     where
         T: Send + 'static,
-        Q: Send + 'static,
-        F: FnOnce(&Ledger<S>, &str, Q) -> Result<T, LedgerError> + Send + 'static,
+        P: Send + 'static,
+        F: FnOnce(&Ledger<S>, &str, P) -> Result<T, LedgerError> + Send + 'static,
     {
         let started = std::time::Instant::now();
         let tenant = tenant_of(&req)?;
-        let body = req.into_inner();
-        let route = route(&tenant, &body);
+        let (route, body) = match prepare(&self.ledger, &tenant, req.into_inner()) {
+            Ok(prepared) => prepared,
+            Err(e) => return finished(method, started, Err(e.into())),
+        };
         // The request's span (its trace, see crate::trace) follows it onto the sequencer.
         let span = tracing::Span::current();
         let out = self
@@ -170,16 +175,52 @@ pub(crate) fn call_error_of(status: &Status) -> pb::CallError {
     }
 }
 
+/// A request that needs no preparation: its route, and itself.
+fn routed<S, Q>(
+    route: impl FnOnce(&str, &Q) -> u64,
+) -> impl FnOnce(&Ledger<S>, &str, Q) -> Result<(u64, Q), LedgerError> {
+    move |_, t, q| Ok((route(t, &q), q))
+}
+
+/// Begin's preparation, shared by the RPC and Session calls: converted, validated and
+/// hashed on the caller's thread ([`Ledger::prepare_begin`]), routed by its run.
+pub(crate) fn begin_prepare<S: Store>(
+    l: &Ledger<S>,
+    t: &str,
+    r: pb::BeginRequest,
+) -> Result<(u64, PreparedBegin), LedgerError> {
+    let prepared = l.prepare_begin(t, BeginCmd::try_from(r)?)?;
+    Ok((prepared.route(), prepared))
+}
+
+/// Complete's route, shared by the RPC and Session calls (nothing to prepare).
+pub(crate) fn complete_prepare<S: Store>(
+    _: &Ledger<S>,
+    _: &str,
+    r: pb::CompleteRequest,
+) -> Result<(u64, pb::CompleteRequest), LedgerError> {
+    Ok((effect_route(&r.effect_id), r))
+}
+
+/// Heartbeat's route, shared by the RPC and Session calls (nothing to prepare).
+pub(crate) fn heartbeat_prepare<S: Store>(
+    _: &Ledger<S>,
+    _: &str,
+    r: pb::HeartbeatRequest,
+) -> Result<(u64, pb::HeartbeatRequest), LedgerError> {
+    Ok((effect_route(&r.effect_id), r))
+}
+
 /// Begin's decision, shared by the RPC and Session calls.
 pub(crate) fn begin_call<S: Store>(
     l: &Ledger<S>,
     t: &str,
-    r: pb::BeginRequest,
+    prepared: PreparedBegin,
 ) -> Result<pb::BeginResponse, LedgerError> {
-    let cmd = BeginCmd::try_from(r)?;
-    let begun = l.begin(t, &cmd)?;
+    let begun = l.begin_prepared(t, &prepared)?;
+    let cmd = prepared.cmd();
     crate::metrics::decision(&begun.decision);
-    crate::trace::record_begin(&cmd, &begun.decision);
+    crate::trace::record_begin(cmd, &begun.decision);
     tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
     Ok(convert::begin_response(begun))
 }
@@ -208,11 +249,6 @@ pub(crate) fn heartbeat_call<S: Store>(
     Ok(pb::HeartbeatResponse {
         receipt: Some(convert::receipt(rec, true)),
     })
-}
-
-/// The sequencer route of a Begin: its run's.
-pub(crate) fn begin_route(tenant: &str, r: &pb::BeginRequest) -> u64 {
-    route_of(tenant, &r.run_id)
 }
 
 /// A batch's answers in its calls' order: the calls that converted run together (moved, in
@@ -387,7 +423,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::BeginRequest>,
     ) -> Result<Response<pb::BeginResponse>, Status> {
-        self.sequenced("Begin", req, begin_route, begin_call).await
+        self.sequenced("Begin", req, begin_prepare, begin_call)
+            .await
     }
 
     async fn begin_batch(
@@ -397,7 +434,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         let route = |t: &str, r: &pb::BeginBatchRequest| {
             r.calls.first().map_or(0, |c| route_of(t, &c.run_id))
         };
-        self.sequenced("BeginBatch", req, route, |l, t, r| {
+        self.sequenced("BeginBatch", req, routed(route), |l, t, r| {
             l.check_batch("calls", r.calls.len())?;
             let calls = r.calls.into_iter().map(BeginCmd::try_from).collect();
             let answers = in_order(calls, |cmds| l.begin_many(t, cmds))?;
@@ -427,7 +464,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
                 .first()
                 .map_or(0, |c| effect_route(&c.effect_id))
         };
-        self.sequenced("CompleteBatch", req, route, |l, t, r| {
+        self.sequenced("CompleteBatch", req, routed(route), |l, t, r| {
             l.check_batch("completions", r.completions.len())?;
             let completions = r
                 .completions
@@ -462,8 +499,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let route = |_: &str, r: &pb::HeartbeatRequest| effect_route(&r.effect_id);
-        self.sequenced("Heartbeat", req, route, heartbeat_call)
+        self.sequenced("Heartbeat", req, heartbeat_prepare, heartbeat_call)
             .await
     }
 
@@ -471,8 +507,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        let route = |_: &str, r: &pb::CompleteRequest| effect_route(&r.effect_id);
-        self.sequenced("Complete", req, route, complete_call).await
+        self.sequenced("Complete", req, complete_prepare, complete_call)
+            .await
     }
 
     type SessionStream = SessionStream;

@@ -36,6 +36,8 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
 
 /// What every stream of a server shares.
 pub(crate) struct Sessions<S> {
+    /// What calls are prepared against before their sequencer takes them.
+    pub(crate) ledger: Arc<Ledger<S>>,
     pub(crate) sequencer: Arc<Sequencer<S>>,
     pub(crate) rate_limit: Option<Arc<TenantRateLimit>>,
     pub(crate) max_in_flight: usize,
@@ -46,6 +48,7 @@ pub(crate) struct Sessions<S> {
 impl<S> Clone for Sessions<S> {
     fn clone(&self) -> Self {
         Self {
+            ledger: self.ledger.clone(),
             sequencer: self.sequencer.clone(),
             rate_limit: self.rate_limit.clone(),
             max_in_flight: self.max_in_flight,
@@ -61,8 +64,12 @@ type Outgoing = (
     Option<OwnedSemaphorePermit>,
 );
 
+/// The preparation of a session call on the stream's thread (its route, and what needs no
+/// run state): the unary RPC's own.
+type Prepare<S, Q, P> = fn(&Ledger<S>, &str, Q) -> Result<(u64, P), LedgerError>;
+
 /// One decision of a session call: the unary RPC's own decision function.
-type Decide<S, Q, T> = fn(&Ledger<S>, &str, Q) -> Result<T, LedgerError>;
+type Decide<S, P, T> = fn(&Ledger<S>, &str, P) -> Result<T, LedgerError>;
 
 impl<S: Store> Sessions<S> {
     /// Starts serving one stream of `tenant`'s calls and returns its answers.
@@ -178,25 +185,16 @@ impl<S: Store> Reader<S> {
         let tenant = self.tenant.clone();
         match call {
             Call::Begin(r) => {
-                let route = service::begin_route(&tenant, &r);
-                self.dispatch(
-                    call_of,
-                    route,
-                    tenant,
-                    r,
-                    service::begin_call,
-                    Answer::Begin,
-                );
+                let (p, f) = (service::begin_prepare, service::begin_call);
+                self.dispatch(call_of, tenant, r, p, f, Answer::Begin);
             }
             Call::Complete(r) => {
-                let route = service::effect_route(&r.effect_id);
-                let f = service::complete_call;
-                self.dispatch(call_of, route, tenant, r, f, Answer::Complete);
+                let (p, f) = (service::complete_prepare, service::complete_call);
+                self.dispatch(call_of, tenant, r, p, f, Answer::Complete);
             }
             Call::Heartbeat(r) => {
-                let route = service::effect_route(&r.effect_id);
-                let f = service::heartbeat_call;
-                self.dispatch(call_of, route, tenant, r, f, Answer::Heartbeat);
+                let (p, f) = (service::heartbeat_prepare, service::heartbeat_call);
+                self.dispatch(call_of, tenant, r, p, f, Answer::Heartbeat);
             }
         }
     }
@@ -207,39 +205,49 @@ impl<S: Store> Reader<S> {
         let _ = self.tx.send((Ok(error_answer(id, &status)), Some(permit)));
     }
 
-    /// Hands one call to its run's sequencer; its answer goes out once its group is durable.
-    fn dispatch<Q, T>(
+    /// Prepares one call here and hands it to its run's sequencer; its answer goes out once
+    /// its group is durable (at once when it fails its preparation: nothing was written).
+    fn dispatch<Q, P, T>(
         &self,
         call: InFlight,
-        route: u64,
         tenant: Arc<str>,
         request: Q,
-        decide: Decide<S, Q, T>,
+        prepare: Prepare<S, Q, P>,
+        decide: Decide<S, P, T>,
         wrap: fn(T) -> Answer,
     ) where
-        Q: Send + 'static,
+        P: Send + 'static,
         T: Send + 'static,
     {
         let tx = self.tx.clone();
         let decide_span = call.span.clone();
-        self.sessions.sequencer.dispatch(
-            route,
-            move |ledger: &Ledger<S>| decide_span.in_scope(|| decide(ledger, &tenant, request)),
-            move |out: Result<T, Status>| {
-                let code = out.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
-                crate::metrics::rpc(call.method, call.started, code);
-                call.span.in_scope(|| crate::trace::record_status(code));
-                let answer = match out {
-                    Ok(t) => pb::SessionResponse {
-                        id: call.id,
-                        result: Some(wrap(t)),
-                    },
-                    Err(status) => error_answer(call.id, &status),
-                };
-                // The caller may have gone away: nothing to tell it then.
-                let _ = tx.send((Ok(answer), Some(call.permit)));
-            },
-        );
+        let prepared = call
+            .span
+            .in_scope(|| prepare(&self.sessions.ledger, &tenant, request));
+        let reply = move |out: Result<T, Status>| {
+            let code = out.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
+            crate::metrics::rpc(call.method, call.started, code);
+            call.span.in_scope(|| crate::trace::record_status(code));
+            let answer = match out {
+                Ok(t) => pb::SessionResponse {
+                    id: call.id,
+                    result: Some(wrap(t)),
+                },
+                Err(status) => error_answer(call.id, &status),
+            };
+            // The caller may have gone away: nothing to tell it then.
+            let _ = tx.send((Ok(answer), Some(call.permit)));
+        };
+        match prepared {
+            Ok((route, prepared)) => self.sessions.sequencer.dispatch(
+                route,
+                move |ledger: &Ledger<S>| {
+                    decide_span.in_scope(|| decide(ledger, &tenant, prepared))
+                },
+                reply,
+            ),
+            Err(e) => reply(Err(e.into())),
+        }
     }
 }
 

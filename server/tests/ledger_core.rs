@@ -607,6 +607,41 @@ fn a_keyless_repeat_is_found_under_the_version_its_receipt_was_recorded_with() {
     assert_eq!(fresh.tool_version, 2);
 }
 
+/// A Begin is prepared (parsed, hashed, fingerprinted under the tool version the cache holds
+/// as current) before its run's sequencer decides it. When the tool is re-registered in
+/// between, the decision fingerprints the call under the new version, never the stale one.
+#[test]
+fn a_call_prepared_before_its_tool_changed_is_decided_under_the_new_version() {
+    let h = harness();
+    pay_tool(&h, &["ref"]);
+    let prepared = h
+        .ledger
+        .prepare_begin(T, call("r1", "pay", r#"{"amt":5,"ref":"a","memo":"x"}"#))
+        .unwrap();
+    // v2 makes `memo` volatile.
+    pay_tool(&h, &["ref", "memo"]);
+    let begun = h.ledger.begin_prepared(T, &prepared).unwrap().decision;
+    let first = executed(begun);
+    assert_eq!(first.tool_version, 2);
+    complete(&h, &first, "ok");
+    // Under v2 a call differing only in `memo` and `ref` is the same intent: an unkeyed
+    // repeat. (Under the v1 fingerprint it would have been a new effect.)
+    let dup = refused(
+        h.begin(&call("r1", "pay", r#"{"amt":5,"ref":"b","memo":"y"}"#)),
+        Reason::DuplicateIntent,
+    );
+    assert_eq!(dup.receipt.unwrap().id(), first.id());
+    // And a prepared call whose tool did not change is decided as an unprepared one is.
+    let prepared = h
+        .ledger
+        .prepare_begin(T, call("r1", "pay", r#"{"amt":5,"ref":"c","memo":"z"}"#))
+        .unwrap();
+    refused(
+        h.ledger.begin_prepared(T, &prepared).unwrap().decision,
+        Reason::DuplicateIntent,
+    );
+}
+
 /// A credential bound to a call under one tool version still admits that call after the
 /// tool's schema changed, on a run that never used the old version.
 #[test]

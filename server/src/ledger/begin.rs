@@ -63,9 +63,9 @@ struct Call<'a> {
     /// current one).
     fps: Fingerprints,
     /// The parsed arguments.
-    args: Value,
+    args: &'a Value,
     request_fp: Fingerprint,
-    credential_hashes: Vec<[u8; 32]>,
+    credential_hashes: &'a [[u8; 32]],
     compensates_seq: u64,
     now: u64,
     /// The step key's name key, derived once (a call looks its step up and indexes it);
@@ -173,24 +173,78 @@ enum Gate {
     Refused(Refusal),
 }
 
-impl<S: Store> Ledger<S> {
-    /// Decides one call of a tool. See the module docs for the order of the rules.
-    pub fn begin(&self, tenant: &str, cmd: &BeginCmd) -> Result<Begun> {
-        let mut epoch = 0;
-        let decision = self.decide(tenant, cmd, &mut epoch)?;
-        Ok(Begun { decision, epoch })
+/// A Begin's work that needs no run state: validated, its arguments parsed, its keys and
+/// hashes derived, and its fingerprint under the tool's current version (as cached) computed.
+/// [`Ledger::prepare_begin`] does it on the caller's thread, so that the run's sequencer,
+/// which every call of the run waits on, only decides.
+pub struct PreparedBegin {
+    cmd: BeginCmd,
+    args: Value,
+    rk: RunKey,
+    compensates_seq: u64,
+    credential_hashes: Vec<[u8; 32]>,
+    request_fp: Fingerprint,
+    /// The step key's name key (`None` for a call without a step key).
+    step_name: Option<keys::NameKey>,
+    /// The call's fingerprint under the tool version the cache held as current; the decision
+    /// uses it only if that version is still current then.
+    fingerprint: Option<(u32, Fingerprint)>,
+}
+
+impl PreparedBegin {
+    /// The call.
+    pub fn cmd(&self) -> &BeginCmd {
+        &self.cmd
     }
 
-    fn decide(&self, tenant: &str, cmd: &BeginCmd, epoch: &mut u64) -> Result<Decision> {
-        let args = self.validate_begin(cmd)?;
+    /// Its run's sequencer route ([`crate::sequencer::route_of`]).
+    pub fn route(&self) -> u64 {
+        crate::sequencer::route_of_key(&self.rk)
+    }
+}
+
+impl<S: Store> Ledger<S> {
+    /// Validates a Begin and derives what needs no run state ([`PreparedBegin`]). Reads
+    /// nothing from the store: it may run on any thread.
+    pub fn prepare_begin(&self, tenant: &str, cmd: BeginCmd) -> Result<PreparedBegin> {
+        let args = self.validate_begin(&cmd)?;
         let rk = keys::run_key(tenant, &cmd.run_id);
-        let compensates_seq = self.compensates_seq(cmd, &rk)?;
-        let credential_hashes: Vec<[u8; 32]> = cmd
+        let compensates_seq = self.compensates_seq(&cmd, &rk)?;
+        let credential_hashes = cmd
             .credentials
             .iter()
             .map(|c| self.credential_hash(tenant, &c.token))
             .collect();
+        let fingerprint = self
+            .cached_current_tool(tenant, &cmd.tool)
+            .map(|tool| (tool.record.version, tool.fingerprint(&args)));
+        Ok(PreparedBegin {
+            request_fp: canonical::request_fingerprint(&cmd.tool, &cmd.arguments_json),
+            step_name: (!cmd.step_key.is_empty()).then(|| keys::name_key(&cmd.step_key)),
+            args,
+            rk,
+            compensates_seq,
+            credential_hashes,
+            fingerprint,
+            cmd,
+        })
+    }
 
+    /// Decides a prepared Begin (see [`Ledger::begin`]).
+    pub fn begin_prepared(&self, tenant: &str, prepared: &PreparedBegin) -> Result<Begun> {
+        let mut epoch = 0;
+        let decision = self.decide(tenant, prepared, &mut epoch)?;
+        Ok(Begun { decision, epoch })
+    }
+
+    /// Decides one call of a tool. See the module docs for the order of the rules.
+    pub fn begin(&self, tenant: &str, cmd: &BeginCmd) -> Result<Begun> {
+        self.begin_prepared(tenant, &self.prepare_begin(tenant, cmd.clone())?)
+    }
+
+    fn decide(&self, tenant: &str, prepared: &PreparedBegin, epoch: &mut u64) -> Result<Decision> {
+        let cmd = &prepared.cmd;
+        let rk = prepared.rk;
         let _run_guard = self.runs.lock(&rk);
         let now = self.now();
         let (run, new) = match self.load_run(&rk, tenant, &cmd.run_id)? {
@@ -227,7 +281,13 @@ impl<S: Store> Ledger<S> {
         };
 
         let tool = self.current_tool(tenant, &cmd.tool)?;
-        let fps = self.fingerprints(tenant, &tool, &args, Some(&run))?;
+        let fps = self.fingerprints(
+            tenant,
+            &tool,
+            &prepared.args,
+            Some(&run),
+            prepared.fingerprint,
+        )?;
         let call = Call {
             tenant,
             cmd,
@@ -235,14 +295,14 @@ impl<S: Store> Ledger<S> {
             run,
             new,
             branch,
-            request_fp: canonical::request_fingerprint(&cmd.tool, &cmd.arguments_json),
+            request_fp: prepared.request_fp,
             tool,
             fps,
-            args,
-            credential_hashes,
-            compensates_seq,
+            args: &prepared.args,
+            credential_hashes: &prepared.credential_hashes,
+            compensates_seq: prepared.compensates_seq,
             now,
-            step_name: (!cmd.step_key.is_empty()).then(|| keys::name_key(&cmd.step_key)),
+            step_name: prepared.step_name,
         };
 
         if call.class() == OpClass::SafeRetry && !cmd.record && cmd.credentials.is_empty() {
@@ -686,7 +746,7 @@ impl<S: Store> Ledger<S> {
         if call.fps.iter().any(|fp| fp[..] == cred.bound_intent[..]) {
             return Ok(true);
         }
-        let every = self.fingerprints(call.tenant, &call.tool, &call.args, None)?;
+        let every = self.fingerprints(call.tenant, &call.tool, call.args, None, None)?;
         Ok(every.iter().any(|fp| fp[..] == cred.bound_intent[..]))
     }
 

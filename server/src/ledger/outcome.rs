@@ -455,7 +455,7 @@ impl<S: Store> Ledger<S> {
                     return Ok(None);
                 };
                 let current = self.current_tool(tenant, tool)?;
-                let fps = self.fingerprints(tenant, &current, &args, Some(&run))?;
+                let fps = self.fingerprints(tenant, &current, &args, Some(&run), None)?;
                 match self.lineage_intent_of(&rk, &run, b, &fps)?.1 {
                     Some(seq) => Some(self.load_seq(&rk, seq)?),
                     None => None,

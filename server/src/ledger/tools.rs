@@ -330,6 +330,16 @@ impl<S: Store> Ledger<S> {
         Ok(tool)
     }
 
+    /// The tool's current version as far as the cache knows, without reading the store: a
+    /// cached head's version, else the implicit definition of a name never registered (a
+    /// guess, checked by whoever uses it: see [`Ledger::prepare_begin`]).
+    pub(crate) fn cached_current_tool(&self, tenant: &str, name: &str) -> Option<Arc<Tool>> {
+        match self.tools.head(&cache_key(tenant, name, 0)) {
+            None => Some(Arc::new(Tool::unregistered(name))),
+            Some(version) => self.tools.version(&cache_key(tenant, name, version)),
+        }
+    }
+
     /// The fingerprints of `args` under the tool versions `run` holds effects of and the
     /// current one (every version up to `current` for a run that does not track them, or
     /// when `run` is `None`): receipts may predate `current`, and each is compared under its
@@ -340,6 +350,7 @@ impl<S: Store> Ledger<S> {
         current: &Tool,
         args: &serde_json::Value,
         run: Option<&super::records::RunRecord>,
+        known: Option<(u32, Fingerprint)>,
     ) -> Result<Fingerprints> {
         let latest = current.record.version;
         let mut by_version = vec![None; latest as usize + 1];
@@ -358,7 +369,11 @@ impl<S: Store> Ledger<S> {
                     .fingerprint(args),
             );
         }
-        by_version[latest as usize] = Some(current.fingerprint(args));
+        // Versions are immutable: a fingerprint computed under this version before is it.
+        by_version[latest as usize] = Some(match known {
+            Some((version, fp)) if version == latest => fp,
+            _ => current.fingerprint(args),
+        });
         Ok(Fingerprints(by_version))
     }
 }
