@@ -11,7 +11,8 @@ use tonic::{Request, Response, Status};
 use crate::auth::tenant_of;
 use crate::convert;
 use crate::ledger::batch::CompleteCmd;
-use crate::ledger::begin::PreparedBegin;
+use crate::ledger::begin::{Begun, PreparedBegin};
+use crate::ledger::records::EffectRecord;
 use crate::ledger::{BeginCmd, Ledger, LedgerError};
 use crate::quota::TenantRateLimit;
 use crate::sequencer::{Sequencer, route_of};
@@ -83,17 +84,18 @@ impl<S: Store> FenceService<S> {
     /// Prepares the request on this thread (`prepare`: what needs no run state, and the
     /// route), then runs `f` on the sequencer of that route, with the caller's tenant:
     /// answered once the group it was decided in is durable.
-    async fn sequenced<T, Q, P, F>(
+    async fn sequenced<T, I, Q, P, F>(
         &self,
         method: &'static str,
         req: Request<Q>,
         prepare: impl FnOnce(&Ledger<S>, &str, Q) -> Result<(u64, P), LedgerError>,
         f: F,
+        answer: impl FnOnce(I) -> T,
     ) -> Result<Response<T>, Status>
     where
-        T: Send + 'static,
+        I: Send + 'static,
         P: Send + 'static,
-        F: FnOnce(&Ledger<S>, &str, P) -> Result<T, LedgerError> + Send + 'static,
+        F: FnOnce(&Ledger<S>, &str, P) -> Result<I, LedgerError> + Send + 'static,
     {
         let started = std::time::Instant::now();
         let tenant = tenant_of(&req)?;
@@ -108,7 +110,9 @@ impl<S: Store> FenceService<S> {
             .submit(route, move |ledger| {
                 span.in_scope(|| f(ledger, &tenant, body))
             })
-            .await;
+            .await
+            // Converted here, not on the sequencer every call of the run waits on.
+            .map(answer);
         finished(method, started, out)
     }
 
@@ -211,44 +215,56 @@ pub(crate) fn heartbeat_prepare<S: Store>(
     Ok((effect_route(&r.effect_id), r))
 }
 
-/// Begin's decision, shared by the RPC and Session calls.
+/// Begin's decision, shared by the RPC and Session calls (converted to its answer by the
+/// caller: [`convert::begin_response`]).
 pub(crate) fn begin_call<S: Store>(
     l: &Ledger<S>,
     t: &str,
     prepared: PreparedBegin,
-) -> Result<pb::BeginResponse, LedgerError> {
+) -> Result<Begun, LedgerError> {
     let begun = l.begin_prepared(t, &prepared)?;
     let cmd = prepared.cmd();
     crate::metrics::decision(&begun.decision);
     crate::trace::record_begin(cmd, &begun.decision);
     tracing::debug!(tenant = t, run = %cmd.run_id, tool = %cmd.tool, decision = %begun.decision.kind(), "begin");
-    Ok(convert::begin_response(begun))
+    Ok(begun)
 }
 
-/// Complete's transition, shared by the RPC and Session calls.
+/// Complete's transition, shared by the RPC and Session calls (answered by
+/// [`complete_answer`]).
 pub(crate) fn complete_call<S: Store>(
     l: &Ledger<S>,
     t: &str,
     r: pb::CompleteRequest,
-) -> Result<pb::CompleteResponse, LedgerError> {
+) -> Result<EffectRecord, LedgerError> {
     let outcome = convert::outcome(r.outcome)?;
     let rec = l.complete(t, &r.effect_id, r.attempt, r.epoch, outcome)?;
     tracing::debug!(tenant = t, effect = %r.effect_id, state = rec.state, "complete");
-    Ok(pb::CompleteResponse {
-        receipt: Some(convert::receipt(rec, true)),
-    })
+    Ok(rec)
 }
 
-/// Heartbeat's lease extension, shared by the RPC and Session calls.
+/// Complete's answer.
+pub(crate) fn complete_answer(rec: EffectRecord) -> pb::CompleteResponse {
+    pb::CompleteResponse {
+        receipt: Some(convert::receipt(rec, true)),
+    }
+}
+
+/// Heartbeat's lease extension, shared by the RPC and Session calls (answered by
+/// [`heartbeat_answer`]).
 pub(crate) fn heartbeat_call<S: Store>(
     l: &Ledger<S>,
     t: &str,
     r: pb::HeartbeatRequest,
-) -> Result<pb::HeartbeatResponse, LedgerError> {
-    let rec = l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)?;
-    Ok(pb::HeartbeatResponse {
+) -> Result<EffectRecord, LedgerError> {
+    l.heartbeat(t, &r.effect_id, r.attempt, r.epoch, r.extend_ms)
+}
+
+/// Heartbeat's answer.
+pub(crate) fn heartbeat_answer(rec: EffectRecord) -> pb::HeartbeatResponse {
+    pb::HeartbeatResponse {
         receipt: Some(convert::receipt(rec, true)),
-    })
+    }
 }
 
 /// A batch's answers in its calls' order: the calls that converted run together (moved, in
@@ -423,7 +439,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::BeginRequest>,
     ) -> Result<Response<pb::BeginResponse>, Status> {
-        self.sequenced("Begin", req, begin_prepare, begin_call)
+        let answer = convert::begin_response;
+        self.sequenced("Begin", req, begin_prepare, begin_call, answer)
             .await
     }
 
@@ -434,24 +451,30 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         let route = |t: &str, r: &pb::BeginBatchRequest| {
             r.calls.first().map_or(0, |c| route_of(t, &c.run_id))
         };
-        self.sequenced("BeginBatch", req, routed(route), |l, t, r| {
-            l.check_batch("calls", r.calls.len())?;
-            let calls = r.calls.into_iter().map(BeginCmd::try_from).collect();
-            let answers = in_order(calls, |cmds| l.begin_many(t, cmds))?;
-            tracing::debug!(tenant = t, calls = answers.len(), "begin batch");
-            let results = answers
-                .into_iter()
-                .map(|answer| pb::BeginResult {
-                    result: Some(match answer {
-                        Ok(begun) => {
-                            pb::begin_result::Result::Response(convert::begin_response(begun))
-                        }
-                        Err(e) => pb::begin_result::Result::Error(call_error(e)),
-                    }),
-                })
-                .collect();
-            Ok(pb::BeginBatchResponse { results })
-        })
+        self.sequenced(
+            "BeginBatch",
+            req,
+            routed(route),
+            |l, t, r| {
+                l.check_batch("calls", r.calls.len())?;
+                let calls = r.calls.into_iter().map(BeginCmd::try_from).collect();
+                let answers = in_order(calls, |cmds| l.begin_many(t, cmds))?;
+                tracing::debug!(tenant = t, calls = answers.len(), "begin batch");
+                let results = answers
+                    .into_iter()
+                    .map(|answer| pb::BeginResult {
+                        result: Some(match answer {
+                            Ok(begun) => {
+                                pb::begin_result::Result::Response(convert::begin_response(begun))
+                            }
+                            Err(e) => pb::begin_result::Result::Error(call_error(e)),
+                        }),
+                    })
+                    .collect();
+                Ok(pb::BeginBatchResponse { results })
+            },
+            std::convert::identity,
+        )
         .await
     }
 
@@ -464,34 +487,42 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
                 .first()
                 .map_or(0, |c| effect_route(&c.effect_id))
         };
-        self.sequenced("CompleteBatch", req, routed(route), |l, t, r| {
-            l.check_batch("completions", r.completions.len())?;
-            let completions = r
-                .completions
-                .into_iter()
-                .map(|c| {
-                    Ok(CompleteCmd {
-                        outcome: convert::outcome(c.outcome)?,
-                        effect_id: c.effect_id,
-                        attempt: c.attempt,
-                        epoch: c.epoch,
+        self.sequenced(
+            "CompleteBatch",
+            req,
+            routed(route),
+            |l, t, r| {
+                l.check_batch("completions", r.completions.len())?;
+                let completions = r
+                    .completions
+                    .into_iter()
+                    .map(|c| {
+                        Ok(CompleteCmd {
+                            outcome: convert::outcome(c.outcome)?,
+                            effect_id: c.effect_id,
+                            attempt: c.attempt,
+                            epoch: c.epoch,
+                        })
                     })
-                })
-                .collect();
-            let answers = in_order(completions, |cmds| l.complete_many(t, cmds))?;
-            let results = answers
-                .into_iter()
-                .map(|answer| pb::CompleteResult {
-                    result: Some(match answer {
-                        Ok(rec) => pb::complete_result::Result::Response(pb::CompleteResponse {
-                            receipt: Some(convert::receipt(rec, true)),
+                    .collect();
+                let answers = in_order(completions, |cmds| l.complete_many(t, cmds))?;
+                let results = answers
+                    .into_iter()
+                    .map(|answer| pb::CompleteResult {
+                        result: Some(match answer {
+                            Ok(rec) => {
+                                pb::complete_result::Result::Response(pb::CompleteResponse {
+                                    receipt: Some(convert::receipt(rec, true)),
+                                })
+                            }
+                            Err(e) => pb::complete_result::Result::Error(call_error(e)),
                         }),
-                        Err(e) => pb::complete_result::Result::Error(call_error(e)),
-                    }),
-                })
-                .collect();
-            Ok(pb::CompleteBatchResponse { results })
-        })
+                    })
+                    .collect();
+                Ok(pb::CompleteBatchResponse { results })
+            },
+            std::convert::identity,
+        )
         .await
     }
 
@@ -499,7 +530,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        self.sequenced("Heartbeat", req, heartbeat_prepare, heartbeat_call)
+        let (p, f) = (heartbeat_prepare, heartbeat_call);
+        self.sequenced("Heartbeat", req, p, f, heartbeat_answer)
             .await
     }
 
@@ -507,8 +539,8 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        self.sequenced("Complete", req, complete_prepare, complete_call)
-            .await
+        let (p, f) = (complete_prepare, complete_call);
+        self.sequenced("Complete", req, p, f, complete_answer).await
     }
 
     type SessionStream = SessionStream;

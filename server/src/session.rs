@@ -59,10 +59,12 @@ impl<S> Clone for Sessions<S> {
 
 /// An answer on its way out, holding its call's in-flight permit until tonic takes it to
 /// send: what a stream has in flight is bounded by what its caller actually reads.
-type Outgoing = (
-    Result<pb::SessionResponse, Status>,
-    Option<OwnedSemaphorePermit>,
-);
+type Outgoing = (Reply, Option<OwnedSemaphorePermit>);
+
+/// An answer, made when tonic takes it to send: a decided call's is converted to its message
+/// there, on the stream's task, so the sequencer every call of the run waits on spends
+/// nothing on it.
+type Reply = Box<dyn FnOnce() -> Result<pb::SessionResponse, Status> + Send>;
 
 /// The preparation of a session call on the stream's thread (its route, and what needs no
 /// run state): the unary RPC's own.
@@ -88,9 +90,9 @@ impl<S: Store> Sessions<S> {
         // The stream's span (its RPC's) stays the parent of every call's span.
         tokio::spawn(reader.run(calls).instrument(tracing::Span::current()));
         let answers =
-            tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|(answer, permit)| {
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|(reply, permit)| {
                 drop(permit);
-                answer
+                reply()
             });
         Box::pin(answers)
     }
@@ -137,7 +139,7 @@ impl<S: Store> Reader<S> {
         let drained = self.in_flight.acquire_many(all).await;
         drop(drained);
         if let Some(status) = ended {
-            let _ = self.tx.send((Err(status), None));
+            let _ = self.tx.send((Box::new(move || Err(status)), None));
         }
     }
 
@@ -186,15 +188,18 @@ impl<S: Store> Reader<S> {
         match call {
             Call::Begin(r) => {
                 let (p, f) = (service::begin_prepare, service::begin_call);
-                self.dispatch(call_of, tenant, r, p, f, Answer::Begin);
+                let wrap = |b| Answer::Begin(crate::convert::begin_response(b));
+                self.dispatch(call_of, tenant, r, p, f, wrap);
             }
             Call::Complete(r) => {
                 let (p, f) = (service::complete_prepare, service::complete_call);
-                self.dispatch(call_of, tenant, r, p, f, Answer::Complete);
+                let wrap = |rec| Answer::Complete(service::complete_answer(rec));
+                self.dispatch(call_of, tenant, r, p, f, wrap);
             }
             Call::Heartbeat(r) => {
                 let (p, f) = (service::heartbeat_prepare, service::heartbeat_call);
-                self.dispatch(call_of, tenant, r, p, f, Answer::Heartbeat);
+                let wrap = |rec| Answer::Heartbeat(service::heartbeat_answer(rec));
+                self.dispatch(call_of, tenant, r, p, f, wrap);
             }
         }
     }
@@ -202,7 +207,8 @@ impl<S: Store> Reader<S> {
     /// Answers a call refused before any decision (rate limit, no call in it).
     fn refuse(&self, id: u64, permit: OwnedSemaphorePermit, method: &'static str, status: Status) {
         crate::metrics::rpc(method, Instant::now(), status.code());
-        let _ = self.tx.send((Ok(error_answer(id, &status)), Some(permit)));
+        let answer = error_answer(id, &status);
+        let _ = self.tx.send((Box::new(move || Ok(answer)), Some(permit)));
     }
 
     /// Prepares one call here and hands it to its run's sequencer; its answer goes out once
@@ -224,19 +230,28 @@ impl<S: Store> Reader<S> {
         let prepared = call
             .span
             .in_scope(|| prepare(&self.sessions.ledger, &tenant, request));
+        let InFlight {
+            id,
+            method,
+            span,
+            permit,
+            started,
+        } = call;
         let reply = move |out: Result<T, Status>| {
-            let code = out.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
-            crate::metrics::rpc(call.method, call.started, code);
-            call.span.in_scope(|| crate::trace::record_status(code));
-            let answer = match out {
-                Ok(t) => pb::SessionResponse {
-                    id: call.id,
-                    result: Some(wrap(t)),
-                },
-                Err(status) => error_answer(call.id, &status),
+            let answer = move || {
+                let code = out.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok);
+                crate::metrics::rpc(method, started, code);
+                span.in_scope(|| crate::trace::record_status(code));
+                Ok(match out {
+                    Ok(t) => pb::SessionResponse {
+                        id,
+                        result: Some(wrap(t)),
+                    },
+                    Err(status) => error_answer(id, &status),
+                })
             };
             // The caller may have gone away: nothing to tell it then.
-            let _ = tx.send((Ok(answer), Some(call.permit)));
+            let _ = tx.send((Box::new(answer), Some(permit)));
         };
         match prepared {
             Ok((route, prepared)) => self.sessions.sequencer.dispatch(
