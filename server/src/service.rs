@@ -1,7 +1,9 @@
 //! The gRPC service: thin handlers that authenticate, convert, run the ledger off the tokio
 //! workers (RocksDB calls never block them) and convert back. The decisions that write on the
 //! hot path (Begin, Complete, Heartbeat and their batches) go to the run's sequencer, which
-//! commits them in groups ([`crate::sequencer`]); the rest run on the blocking pool.
+//! commits them in groups ([`crate::sequencer`]); what needs no run state (validation,
+//! parsing, hashing, converting the answer) stays on the caller's side, off that one thread.
+//! The rest run on the blocking pool.
 
 use std::sync::Arc;
 

@@ -4,7 +4,7 @@
 //! replay-or-fork decision ([`begin`]), checkpoints, restores and forks ([`runs`]), outcomes
 //! ([`outcome`]), credentials ([`credentials`]), the tool registry ([`tools`]) and retention
 //! ([`expiry`]), and batches of Begins and Completes sharing one sync ([`batch`]). Invariants:
-//! - every transition is one atomic [`Batch`](crate::store::Batch), durable before it returns;
+//! - every transition is one atomic [`Batch`], durable before it returns;
 //! - every decision touches one run's records (plus the tenant's credentials and tools), and
 //!   decisions on one run are serialised by a striped lock, so there are never two live grants
 //!   for one effect while different runs proceed in parallel;

@@ -1,8 +1,9 @@
 //! The embedded [`Store`]: RocksDB with one column family and every write WAL-synced.
 //!
-//! Concurrency comes from RocksDB's own write group: concurrent synced writers on different
-//! threads are merged by the group leader into one WAL append and one fsync, so throughput
-//! grows with concurrency while each acknowledgement still means "on disk".
+//! Concurrent synced writers on different threads are merged by RocksDB's write group into one
+//! WAL append and one fsync; the sequencers' groups ([`Store::deferred`]) share one sync by
+//! design. Intent index scans, one per Begin, go through a prefix filter (see
+//! [`INTENT_PREFIX_EXTRACTOR`]).
 //!
 //! A batch of decisions ([`Store::deferred`]) writes without syncing and syncs once at the
 //! end. Its writes are visible before they are durable, so every read made while deferred
