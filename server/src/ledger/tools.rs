@@ -219,6 +219,12 @@ impl<S: Store> Ledger<S> {
             }),
         );
         self.store.write(batch)?;
+        // The version first, then the head that points at it: the next call finds both
+        // cached (and can be prepared under it; see `Ledger::prepare_begin`).
+        self.tools.set_version(
+            cache_key(tenant, &def.name, record.version),
+            Arc::new(Tool::from_record(record.clone())?),
+        );
         self.tools
             .set_head(cache_key(tenant, &def.name, 0), record.version);
         Ok((record, true))
