@@ -181,13 +181,6 @@ pub(crate) fn call_error_of(status: &Status) -> pb::CallError {
     }
 }
 
-/// A request that needs no preparation: its route, and itself.
-fn routed<S, Q>(
-    route: impl FnOnce(&str, &Q) -> u64,
-) -> impl FnOnce(&Ledger<S>, &str, Q) -> Result<(u64, Q), LedgerError> {
-    move |_, t, q| Ok((route(t, &q), q))
-}
-
 /// Begin's preparation, shared by the RPC and Session calls: converted, validated and
 /// hashed on the caller's thread ([`Ledger::prepare_begin`]), routed by its run.
 pub(crate) fn begin_prepare<S: Store>(
@@ -450,82 +443,82 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::BeginBatchRequest>,
     ) -> Result<Response<pb::BeginBatchResponse>, Status> {
-        let route = |t: &str, r: &pb::BeginBatchRequest| {
-            r.calls.first().map_or(0, |c| route_of(t, &c.run_id))
+        // Converted and prepared here, each call in its place; decided on the sequencer of
+        // the first call's run (a batch is one agent's parallel calls: one run).
+        let prepare = |l: &Ledger<S>, t: &str, r: pb::BeginBatchRequest| {
+            l.check_batch("calls", r.calls.len())?;
+            let route = r.calls.first().map_or(0, |c| route_of(t, &c.run_id));
+            let calls: Vec<_> = r
+                .calls
+                .into_iter()
+                .map(|c| l.prepare_begin(t, BeginCmd::try_from(c)?))
+                .collect();
+            Ok((route, calls))
         };
-        self.sequenced(
-            "BeginBatch",
-            req,
-            routed(route),
-            |l, t, r| {
-                l.check_batch("calls", r.calls.len())?;
-                let calls = r.calls.into_iter().map(BeginCmd::try_from).collect();
-                let answers = in_order(calls, |cmds| l.begin_many(t, cmds))?;
-                tracing::debug!(tenant = t, calls = answers.len(), "begin batch");
-                let results = answers
-                    .into_iter()
-                    .map(|answer| pb::BeginResult {
-                        result: Some(match answer {
-                            Ok(begun) => {
-                                pb::begin_result::Result::Response(convert::begin_response(begun))
-                            }
-                            Err(e) => pb::begin_result::Result::Error(call_error(e)),
-                        }),
-                    })
-                    .collect();
-                Ok(pb::BeginBatchResponse { results })
-            },
-            std::convert::identity,
-        )
-        .await
+        let decide = |l: &Ledger<S>, t: &str, calls| {
+            let answers = l.begin_many_prepared(t, calls)?;
+            tracing::debug!(tenant = t, calls = answers.len(), "begin batch");
+            Ok(answers)
+        };
+        let answer = |answers: Vec<Result<Begun, LedgerError>>| pb::BeginBatchResponse {
+            results: answers
+                .into_iter()
+                .map(|answer| pb::BeginResult {
+                    result: Some(match answer {
+                        Ok(begun) => {
+                            pb::begin_result::Result::Response(convert::begin_response(begun))
+                        }
+                        Err(e) => pb::begin_result::Result::Error(call_error(e)),
+                    }),
+                })
+                .collect(),
+        };
+        self.sequenced("BeginBatch", req, prepare, decide, answer)
+            .await
     }
 
     async fn complete_batch(
         &self,
         req: Request<pb::CompleteBatchRequest>,
     ) -> Result<Response<pb::CompleteBatchResponse>, Status> {
-        let route = |_: &str, r: &pb::CompleteBatchRequest| {
-            r.completions
+        // Converted here, each completion in its place; recorded on the sequencer of the
+        // first one's run.
+        let prepare = |l: &Ledger<S>, _: &str, r: pb::CompleteBatchRequest| {
+            l.check_batch("completions", r.completions.len())?;
+            let route = r
+                .completions
                 .first()
-                .map_or(0, |c| effect_route(&c.effect_id))
+                .map_or(0, |c| effect_route(&c.effect_id));
+            let completions: Vec<_> = r
+                .completions
+                .into_iter()
+                .map(|c| {
+                    Ok(CompleteCmd {
+                        outcome: convert::outcome(c.outcome)?,
+                        effect_id: c.effect_id,
+                        attempt: c.attempt,
+                        epoch: c.epoch,
+                    })
+                })
+                .collect();
+            Ok((route, completions))
         };
-        self.sequenced(
-            "CompleteBatch",
-            req,
-            routed(route),
-            |l, t, r| {
-                l.check_batch("completions", r.completions.len())?;
-                let completions = r
-                    .completions
-                    .into_iter()
-                    .map(|c| {
-                        Ok(CompleteCmd {
-                            outcome: convert::outcome(c.outcome)?,
-                            effect_id: c.effect_id,
-                            attempt: c.attempt,
-                            epoch: c.epoch,
-                        })
-                    })
-                    .collect();
-                let answers = in_order(completions, |cmds| l.complete_many(t, cmds))?;
-                let results = answers
-                    .into_iter()
-                    .map(|answer| pb::CompleteResult {
-                        result: Some(match answer {
-                            Ok(rec) => {
-                                pb::complete_result::Result::Response(pb::CompleteResponse {
-                                    receipt: Some(convert::receipt(rec, true)),
-                                })
-                            }
-                            Err(e) => pb::complete_result::Result::Error(call_error(e)),
-                        }),
-                    })
-                    .collect();
-                Ok(pb::CompleteBatchResponse { results })
-            },
-            std::convert::identity,
-        )
-        .await
+        let decide = |l: &Ledger<S>, t: &str, completions| {
+            in_order(completions, |cmds| l.complete_many(t, cmds))
+        };
+        let answer = |answers: Vec<Result<EffectRecord, LedgerError>>| pb::CompleteBatchResponse {
+            results: answers
+                .into_iter()
+                .map(|answer| pb::CompleteResult {
+                    result: Some(match answer {
+                        Ok(rec) => pb::complete_result::Result::Response(complete_answer(rec)),
+                        Err(e) => pb::complete_result::Result::Error(call_error(e)),
+                    }),
+                })
+                .collect(),
+        };
+        self.sequenced("CompleteBatch", req, prepare, decide, answer)
+            .await
     }
 
     async fn heartbeat(

@@ -10,7 +10,7 @@
 //! may not have been recorded, and resending the batch (with the same request ids) gets the
 //! same effects back.
 
-use super::begin::Begun;
+use super::begin::{Begun, PreparedBegin};
 use super::{BeginCmd, Ledger, LedgerError, Outcome, Result};
 use crate::ledger::records::EffectRecord;
 use crate::store::Store;
@@ -33,9 +33,31 @@ impl<S: Store> Ledger<S> {
     /// sync. The outer `Err` means the sync failed and no answer may be used.
     pub fn begin_many(&self, tenant: &str, cmds: &[BeginCmd]) -> Result<Vec<Result<Begun>>> {
         self.check_batch("calls", cmds.len())?;
-        let mut out = Vec::with_capacity(cmds.len());
-        self.store
-            .deferred(&mut || out.extend(cmds.iter().map(|cmd| self.begin(tenant, cmd))))?;
+        let calls = cmds
+            .iter()
+            .map(|cmd| self.prepare_begin(tenant, cmd.clone()))
+            .collect();
+        self.begin_many_prepared(tenant, calls)
+    }
+
+    /// [`Ledger::begin_many`] of calls already prepared ([`Ledger::prepare_begin`], on the
+    /// caller's thread), each either prepared or refused by its preparation; a refused call
+    /// keeps its error in its place.
+    pub fn begin_many_prepared(
+        &self,
+        tenant: &str,
+        calls: Vec<Result<PreparedBegin>>,
+    ) -> Result<Vec<Result<Begun>>> {
+        self.check_batch("calls", calls.len())?;
+        let mut out = Vec::with_capacity(calls.len());
+        let mut calls = Some(calls);
+        self.store.deferred(&mut || {
+            let calls = calls.take().unwrap_or_default();
+            out.extend(calls.into_iter().map(|call| {
+                let prepared = call?;
+                self.begin_prepared(tenant, &prepared)
+            }));
+        })?;
         Ok(out)
     }
 
