@@ -487,15 +487,26 @@ impl EffectRecord {
     /// The record as it stands at `now`: a lapsed lease reads EFFECT_UNKNOWN, and a record
     /// past its retention reads as its tombstone (even before the sweep rewrites it).
     pub fn view(&self, now: u64) -> EffectRecord {
-        let mut v = self.clone();
-        if matches!(v.state(), State::Accepted | State::Running) && now >= v.lease_expires_at_ms {
-            v.state = State::EffectUnknown.code();
-            v.lease_expires_at_ms = 0;
+        self.clone().into_view(now)
+    }
+
+    /// [`EffectRecord::view`] of a record no longer needed as stored (no copy).
+    pub fn into_view(mut self, now: u64) -> EffectRecord {
+        if matches!(self.state(), State::Accepted | State::Running)
+            && now >= self.lease_expires_at_ms
+        {
+            self.state = State::EffectUnknown.code();
+            self.lease_expires_at_ms = 0;
         }
-        if !v.tombstone && v.expires_at_ms != 0 && now >= v.expires_at_ms {
-            v.make_tombstone();
+        if !self.tombstone && self.expires_at_ms != 0 && now >= self.expires_at_ms {
+            self.make_tombstone();
         }
-        v
+        self
+    }
+
+    /// Is the record a tombstone at `now` (as its view would say)?
+    pub fn expired_at(&self, now: u64) -> bool {
+        self.tombstone || (self.expires_at_ms != 0 && now >= self.expires_at_ms)
     }
 
     /// Not settled yet: granted, running, or of unknown outcome (as stored; a lapsed lease

@@ -199,7 +199,7 @@ impl<S: Store> Ledger<S> {
         if attempt > rec.attempt {
             return Err(LedgerError::invalid("attempt", "was never granted"));
         }
-        if rec.view(now).tombstone {
+        if rec.expired_at(now) {
             return Err(refuse(
                 Reason::Expired,
                 Recovery::Stop,
@@ -237,7 +237,7 @@ impl<S: Store> Ledger<S> {
                             now,
                         ));
                     }
-                    return Ok(rec.view(now));
+                    return Ok(rec.into_view(now));
                 }
                 // The effect happened: that is true whatever the lease or an earlier report said.
                 _ => {
@@ -250,7 +250,7 @@ impl<S: Store> Ledger<S> {
                 }
             },
             Outcome::FailedBeforeInput(detail) => match state {
-                State::FailedBeforeInput => return Ok(rec.view(now)),
+                State::FailedBeforeInput => return Ok(rec.into_view(now)),
                 State::Accepted | State::Running if rec.lease_live(now) => {
                     rec.state = State::FailedBeforeInput.code();
                     rec.detail = detail;
@@ -276,7 +276,7 @@ impl<S: Store> Ledger<S> {
                 }
             },
             Outcome::Unknown(detail) => match state {
-                State::EffectUnknown => return Ok(rec.view(now)),
+                State::EffectUnknown => return Ok(rec.into_view(now)),
                 State::Accepted | State::Running => {
                     rec.state = State::EffectUnknown.code();
                     rec.detail = detail;
@@ -296,7 +296,7 @@ impl<S: Store> Ledger<S> {
         }
         self.put_effect(&mut batch, &id.run_key, &rec);
         self.store.write(batch)?;
-        Ok(rec.view(now))
+        Ok(rec.into_view(now))
     }
 
     /// When a compensation completes, its target becomes COMPENSATED in the same batch.
@@ -406,7 +406,7 @@ impl<S: Store> Ledger<S> {
         }
         self.put_effect(&mut batch, &id.run_key, &rec);
         self.store.write(batch)?;
-        Ok(rec.view(now))
+        Ok(rec.into_view(now))
     }
 
     /// What happened: the effect as it stands now, or `None`.
@@ -462,7 +462,7 @@ impl<S: Store> Ledger<S> {
                 }
             }
         };
-        Ok(found.map(|r| r.view(now)))
+        Ok(found.map(|r| r.into_view(now)))
     }
 
     /// Like `lineage_for_query`, but a missing run or branch is `None`: a query's answer is
@@ -538,7 +538,7 @@ impl<S: Store> Ledger<S> {
                 let rec: EffectRecord = codec::decode(k, v)?;
                 let keep = visible.as_ref().is_none_or(|v| rec.visible_on(v))
                     && (q.saga_id.is_empty() || rec.saga_id == q.saga_id);
-                Ok(keep.then(|| (rec.view(now), v.len())))
+                Ok(keep.then(|| (rec.into_view(now), v.len())))
             },
         )?;
         let token = next

@@ -396,7 +396,7 @@ impl<S: Store> Ledger<S> {
         Ok(Restored {
             epoch: run.epoch,
             branch: branch_name,
-            tape: tape.into_iter().map(|r| r.view(now)).collect(),
+            tape: tape.into_iter().map(|r| r.into_view(now)).collect(),
         })
     }
 
@@ -621,7 +621,7 @@ impl<S: Store> Ledger<S> {
         self.store.write(batch)?;
         Ok(Forked {
             branch,
-            carried: carried.into_iter().map(|(r, _)| r.view(now)).collect(),
+            carried: carried.into_iter().map(|(r, _)| r.into_view(now)).collect(),
         })
     }
 
@@ -671,7 +671,7 @@ impl<S: Store> Ledger<S> {
 
     fn load_seqs(&self, rk: &RunKey, seqs: &[u64], now: u64) -> Result<Vec<EffectRecord>> {
         seqs.iter()
-            .map(|&s| Ok(self.load_seq(rk, s)?.view(now)))
+            .map(|&s| Ok(self.load_seq(rk, s)?.into_view(now)))
             .collect()
     }
 }
