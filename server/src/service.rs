@@ -192,22 +192,31 @@ pub(crate) fn begin_prepare<S: Store>(
     Ok((prepared.route(), prepared))
 }
 
-/// Complete's route, shared by the RPC and Session calls (nothing to prepare).
-pub(crate) fn complete_prepare<S: Store>(
-    _: &Ledger<S>,
-    _: &str,
-    r: pb::CompleteRequest,
-) -> Result<(u64, pb::CompleteRequest), LedgerError> {
-    Ok((effect_route(&r.effect_id), r))
+/// A request about one recorded effect: routed by the run its id names.
+pub(crate) trait EffectRequest {
+    fn effect_id(&self) -> &str;
 }
 
-/// Heartbeat's route, shared by the RPC and Session calls (nothing to prepare).
-pub(crate) fn heartbeat_prepare<S: Store>(
+impl EffectRequest for pb::CompleteRequest {
+    fn effect_id(&self) -> &str {
+        &self.effect_id
+    }
+}
+
+impl EffectRequest for pb::HeartbeatRequest {
+    fn effect_id(&self) -> &str {
+        &self.effect_id
+    }
+}
+
+/// Complete's and Heartbeat's route, shared by the RPC and Session calls (nothing to
+/// prepare).
+pub(crate) fn effect_prepare<S: Store, R: EffectRequest>(
     _: &Ledger<S>,
     _: &str,
-    r: pb::HeartbeatRequest,
-) -> Result<(u64, pb::HeartbeatRequest), LedgerError> {
-    Ok((effect_route(&r.effect_id), r))
+    r: R,
+) -> Result<(u64, R), LedgerError> {
+    Ok((effect_route(r.effect_id()), r))
 }
 
 /// Begin's decision, shared by the RPC and Session calls (converted to its answer by the
@@ -525,7 +534,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let (p, f) = (heartbeat_prepare, heartbeat_call);
+        let (p, f) = (effect_prepare, heartbeat_call);
         self.sequenced("Heartbeat", req, p, f, heartbeat_answer)
             .await
     }
@@ -534,7 +543,7 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
         &self,
         req: Request<pb::CompleteRequest>,
     ) -> Result<Response<pb::CompleteResponse>, Status> {
-        let (p, f) = (complete_prepare, complete_call);
+        let (p, f) = (effect_prepare, complete_call);
         self.sequenced("Complete", req, p, f, complete_answer).await
     }
 

@@ -192,12 +192,12 @@ impl<S: Store> Reader<S> {
                 self.dispatch(call_of, tenant, r, p, f, wrap);
             }
             Call::Complete(r) => {
-                let (p, f) = (service::complete_prepare, service::complete_call);
+                let (p, f) = (service::effect_prepare, service::complete_call);
                 let wrap = |rec| Answer::Complete(service::complete_answer(rec));
                 self.dispatch(call_of, tenant, r, p, f, wrap);
             }
             Call::Heartbeat(r) => {
-                let (p, f) = (service::heartbeat_prepare, service::heartbeat_call);
+                let (p, f) = (service::effect_prepare, service::heartbeat_call);
                 let wrap = |rec| Answer::Heartbeat(service::heartbeat_answer(rec));
                 self.dispatch(call_of, tenant, r, p, f, wrap);
             }

@@ -498,7 +498,7 @@ impl EffectRecord {
             self.state = State::EffectUnknown.code();
             self.lease_expires_at_ms = 0;
         }
-        if !self.tombstone && self.expires_at_ms != 0 && now >= self.expires_at_ms {
+        if !self.tombstone && self.expired_at(now) {
             self.make_tombstone();
         }
         self
