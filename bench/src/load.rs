@@ -742,13 +742,21 @@ pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Du
 /// [`measured_effects`]. Returns the wall time of the measured part. Run it under
 /// `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*measured_effects*'` to
 /// count the instructions of exactly the measured effects.
-pub fn ledger_effects(data_dir: Option<&Path>, warmup: u64, effects: u64) -> Result<Duration> {
+///
+/// `group` > 1 decides the pairs `group` at a time in one deferred section, each on a run of
+/// its own, as a sequencer decides the calls of that many agents between two syncs.
+pub fn ledger_effects(
+    data_dir: Option<&Path>,
+    warmup: u64,
+    effects: u64,
+    group: u64,
+) -> Result<Duration> {
     let clock = Arc::new(SystemClock);
     match data_dir {
         Some(dir) => {
             let config = fence_server::Config::with_data_dir(dir);
             let ledger = fence_server::server::open_ledger(&config, clock)?;
-            time_effects(&ledger, warmup, effects)
+            time_effects(&ledger, warmup, effects, group)
         }
         None => {
             let ledger = fence_server::ledger::Ledger::new(
@@ -756,7 +764,7 @@ pub fn ledger_effects(data_dir: Option<&Path>, warmup: u64, effects: u64) -> Res
                 clock,
                 fence_server::ledger::LedgerConfig::default(),
             );
-            time_effects(&ledger, warmup, effects)
+            time_effects(&ledger, warmup, effects, group)
         }
     }
 }
@@ -765,11 +773,12 @@ fn time_effects<S: fence_server::store::Store>(
     ledger: &fence_server::ledger::Ledger<S>,
     warmup: u64,
     effects: u64,
+    group: u64,
 ) -> Result<Duration> {
     register_load_tool(ledger)?;
-    effects_from(ledger, 1_000_000, warmup)?;
+    effects_from(ledger, 1_000_000, warmup, group)?;
     let started = Instant::now();
-    measured_effects(ledger, effects)?;
+    measured_effects(ledger, effects, group)?;
     Ok(started.elapsed())
 }
 
@@ -779,19 +788,39 @@ fn time_effects<S: fence_server::store::Store>(
 pub fn measured_effects<S: fence_server::store::Store>(
     ledger: &fence_server::ledger::Ledger<S>,
     effects: u64,
+    group: u64,
 ) -> Result<()> {
-    effects_from(ledger, 0, effects)
+    effects_from(ledger, 0, effects, group)
 }
 
-/// `effects` begin+complete pairs through the ledger, numbered from `first`, 100 per run.
+/// `effects` begin+complete pairs through the ledger, numbered from `first`, 100 per run;
+/// `group` > 1: `group` at a time in one deferred section, on as many runs.
 #[inline(never)]
 fn effects_from<S: fence_server::store::Store>(
     ledger: &fence_server::ledger::Ledger<S>,
     first: u64,
     effects: u64,
+    group: u64,
 ) -> Result<()> {
-    for n in first..first + effects {
-        load_effect(ledger, &format!("cost-{}", n / 100), 0, n)?;
+    if group <= 1 {
+        for n in first..first + effects {
+            load_effect(ledger, &format!("cost-{}", n / 100), 0, n)?;
+        }
+        return Ok(());
+    }
+    let end = first + effects;
+    let mut n = first;
+    while n < end {
+        let upto = (n + group).min(end);
+        let mut done = Ok(());
+        ledger.store().deferred(&mut || {
+            done = (n..upto).try_for_each(|i| {
+                let run = format!("cost-{}-{}", i % group, i / (100 * group));
+                load_effect(ledger, &run, 0, i)
+            });
+        })?;
+        done?;
+        n = upto;
     }
     Ok(())
 }

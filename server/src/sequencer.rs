@@ -3,10 +3,12 @@
 //! Each request goes to one of N sequencer threads, chosen by its run, so one run's requests
 //! are decided in arrival order by one thread. A sequencer drains everything queued for it,
 //! decides the drained group in order inside one deferred store section (each decision's
-//! writes applied at once, visible to the next, not yet synced: [`Store::deferred`]), makes
-//! the group durable with one WAL sync, and only then answers every request in it. No request
-//! hops to the blocking pool, and a busy sequencer takes the next group without sleeping, so
-//! under load a group costs one sync and no thread wake-ups per request.
+//! writes visible to the next at once, not yet durable: [`Store::deferred_then`]) and hands
+//! the group to the store, which answers every request in it once the group is durable. The
+//! sequencer meanwhile decides the next group: on RocksDB the store's committer thread
+//! writes and syncs one group while the next is decided. No request hops to the blocking
+//! pool, and a busy sequencer takes the next group without sleeping, so under load a group
+//! costs one sync and no thread wake-ups per request.
 //!
 //! Nothing is answered before its sync. When the sync fails every request of the group is
 //! answered UNAVAILABLE (any of its writes may or may not have survived; a client resending
@@ -20,7 +22,7 @@ use std::thread::JoinHandle;
 use tonic::Status;
 
 use crate::ledger::{Ledger, LedgerError};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// Most requests decided in one group (one sync); the rest wait for the next group.
 const MAX_GROUP: usize = 512;
@@ -149,34 +151,36 @@ impl<S> Drop for Sequencer<S> {
     }
 }
 
-/// A sequencer thread: groups, each decided, synced once and answered.
+/// A sequencer thread: groups, each decided and handed to the store to answer once durable.
 fn sequence<S: Store>(ledger: &Ledger<S>, queue: &Receiver<Job<S>>) {
-    let mut group: Vec<Job<S>> = Vec::new();
     while let Ok(first) = queue.recv() {
-        group.push(first);
+        let mut group: Vec<Job<S>> = vec![first];
         while group.len() < MAX_GROUP {
             match queue.try_recv() {
                 Ok(job) => group.push(job),
                 Err(_) => break,
             }
         }
-        let synced = ledger
-            .store()
-            .deferred(&mut || {
-                for job in group.iter_mut() {
-                    job.decide(ledger);
-                }
-            })
-            .map_err(|e| {
-                tracing::error!(error = %e, requests = group.len(), "a group's sync failed; its requests are answered UNAVAILABLE");
-                Status::unavailable(
-                    "storage could not make this request durable; it may or may not have been recorded: resend the same request",
-                )
-            });
-        crate::metrics::group_commit(group.len(), synced.is_ok());
-        for job in group.drain(..) {
-            job.answer(synced.clone());
-        }
+        ledger.store().deferred_then(Box::new(move || {
+            for job in group.iter_mut() {
+                job.decide(ledger);
+            }
+            Box::new(move |synced: Result<(), StoreError>| answer(group, synced))
+        }));
+    }
+}
+
+/// Answers a decided group once its writes are durable (or failed to become so).
+fn answer<S>(group: Vec<Job<S>>, synced: Result<(), StoreError>) {
+    let synced = synced.map_err(|e| {
+        tracing::error!(error = %e, requests = group.len(), "a group's sync failed; its requests are answered UNAVAILABLE");
+        Status::unavailable(
+            "storage could not make this request durable; it may or may not have been recorded: resend the same request",
+        )
+    });
+    crate::metrics::group_commit(group.len(), synced.is_ok());
+    for job in group {
+        job.answer(synced.clone());
     }
 }
 
@@ -197,7 +201,7 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::ledger::{BeginCmd, Decision, LedgerConfig};
-    use crate::store::{Batch, Entries, MemStore, StoreError};
+    use crate::store::{Batch, Entries, MemStore};
 
     /// The in-memory store whose group syncs fail while `fail` is set.
     #[derive(Default)]

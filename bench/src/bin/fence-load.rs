@@ -119,6 +119,10 @@ enum Command {
         /// The in-memory store: the ledger's own work without RocksDB's.
         #[arg(long, conflicts_with = "dir")]
         mem: bool,
+        /// Effects decided together between two syncs, each on a run of its own, as a
+        /// sequencer decides a group (1: each call synced by itself).
+        #[arg(long, default_value_t = 1)]
+        group: u64,
     },
 }
 
@@ -526,7 +530,7 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     Ok(())
 }
 
-fn ledger(effects: u64, warmup: u64, dir: Option<PathBuf>, mem: bool) -> Result<()> {
+fn ledger(effects: u64, warmup: u64, dir: Option<PathBuf>, mem: bool, group: u64) -> Result<()> {
     let scratch = match (&dir, mem) {
         (_, true) => None,
         (Some(d), false) => Some(d.clone()),
@@ -539,7 +543,7 @@ fn ledger(effects: u64, warmup: u64, dir: Option<PathBuf>, mem: bool) -> Result<
             Some(target.join(format!("fence-ledger-{}", std::process::id())))
         }
     };
-    let took = load::ledger_effects(scratch.as_deref(), warmup, effects)?;
+    let took = load::ledger_effects(scratch.as_deref(), warmup, effects, group)?;
     println!(
         "{effects} effects on the {} store in {:.3} s: {:.1} us per effect (wall)",
         if mem { "in-memory" } else { "RocksDB" },
@@ -572,6 +576,7 @@ async fn main() -> Result<()> {
             warmup,
             dir,
             mem,
-        } => ledger(effects, warmup, dir, mem),
+            group,
+        } => ledger(effects, warmup, dir, mem, group),
     }
 }

@@ -9,6 +9,8 @@
 pub mod codec;
 pub mod keys;
 mod mem;
+#[cfg_attr(not(feature = "rocksdb"), allow(dead_code))]
+mod pipeline;
 #[cfg(feature = "rocksdb")]
 mod rocks;
 
@@ -77,6 +79,10 @@ impl Batch {
 /// Key-value pairs returned by [`Store::scan`], in key order.
 pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 
+/// What runs once a deferred section's writes are durable ([`Store::deferred_then`]): it gets
+/// the sync's result, `Err` when nothing the section computed may be acknowledged.
+pub type Then = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
 /// A key-value store with atomic durable batches: what the ledger needs from storage.
 ///
 /// Contract: `write` returns only after the whole batch is durable (on RocksDB: WAL fsynced);
@@ -105,6 +111,23 @@ pub trait Store: Send + Sync + 'static {
     fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
         f();
         Ok(())
+    }
+
+    /// [`Store::deferred`] without waiting: runs `f` as a deferred section and calls the
+    /// continuation it returns with the sync's result once the section's writes, and every
+    /// not yet durable write it read, are durable. The continuation may run on another thread
+    /// (a store's committer), after this returns, so it must not block; meanwhile the caller
+    /// can go on to its next section. This is how a sequencer decides its next group while
+    /// the last one is being written.
+    ///
+    /// The default runs `f` inside [`Store::deferred`] and then the continuation.
+    fn deferred_then(&self, f: Box<dyn FnOnce() -> Then + '_>) {
+        let mut f = Some(f);
+        let mut then = None;
+        let synced = self.deferred(&mut || then = f.take().map(|f| f()));
+        if let Some(then) = then {
+            then(synced);
+        }
     }
 
     /// Applies the batch atomically, without waiting for it to be durable: for audit data no

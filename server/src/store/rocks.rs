@@ -1,18 +1,13 @@
-//! The embedded [`Store`]: RocksDB with one column family and every write WAL-synced.
+//! The embedded [`Store`]: RocksDB with one column family, written through a commit pipeline.
 //!
-//! Concurrent synced writers on different threads are merged by RocksDB's write group into one
-//! WAL append and one fsync; the sequencers' groups ([`Store::deferred`]) share one sync by
-//! design. Intent index scans, one per Begin, go through a prefix filter (see
+//! Durable writes are staged in memory and made durable in rounds, one RocksDB write and one
+//! WAL sync per round ([`pipeline`](super::pipeline)): RocksDB itself holds only durable
+//! data, and reads consult the staged writes first. A sequencer's group
+//! ([`Store::deferred_then`]) is one round. Intent index scans, one per Begin, go through a prefix filter (see
 //! [`INTENT_PREFIX_EXTRACTOR`]).
-//!
-//! A batch of decisions ([`Store::deferred`]) writes without syncing and syncs once at the
-//! end. Its writes are visible before they are durable, so every read made while deferred
-//! writes are outstanding syncs the WAL before it returns (see [`Deferral`]): no thread
-//! answers from a write a crash could take back.
 
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
 
 use rocksdb::{
@@ -20,7 +15,8 @@ use rocksdb::{
     IteratorMode, Options, ReadOptions, WriteBatch, WriteOptions,
 };
 
-use super::{Batch, Entries, Op, Store, StoreError};
+use super::pipeline::{self, Pipeline};
+use super::{Batch, Entries, Op, Store, StoreError, Then};
 
 /// The column family holding every ledger record (keys are self-describing by their prefix).
 pub const LEDGER_CF: &str = "ledger";
@@ -32,7 +28,8 @@ pub struct StoreOptions {
     pub block_cache_bytes: usize,
     /// Sync the WAL before a write returns. Only a bulk load that closes the store before
     /// anything is served may turn this off: an unsynced write can be lost to a machine
-    /// crash, and nothing served from this store may depend on one.
+    /// crash, and nothing served from this store may depend on one. Without it writes go
+    /// straight to RocksDB, past the commit pipeline.
     pub sync_writes: bool,
 }
 
@@ -50,16 +47,20 @@ impl Default for StoreOptions {
 /// After a failed write (disk full, read-only filesystem, I/O error) RocksDB may stay in a
 /// background-error state that only reopening clears. The store then reopens on the next call:
 /// while the trouble lasts every call fails with [`StoreError::Engine`] (UNAVAILABLE), and once
-/// space returns it recovers without a restart. A batch is one WAL record, so a failed write
+/// space returns it recovers without a restart. A round is one WAL record, so a failed write
 /// applied all or nothing.
 pub struct RocksStore {
+    /// Boxed: the store is moved around by value, and its pipeline's state is large.
+    engine: Box<Engine>,
+}
+
+/// The database and what serves it.
+struct Engine {
     db: RwLock<Option<DB>>,
     needs_reopen: AtomicBool,
-    /// Bumped by every reopen: a deferred section that spans one cannot vouch for its writes.
-    generation: AtomicU64,
     path: PathBuf,
     opts: StoreOptions,
-    deferral: Deferral,
+    pipeline: Pipeline,
     /// What RocksDB's recovery dropped at the last open (see [`RocksStore::recovery_losses`]).
     losses: Mutex<Vec<String>>,
     /// True while the database is open read-only because it could not be reopened for
@@ -69,52 +70,18 @@ pub struct RocksStore {
     inspect_only: bool,
 }
 
-thread_local! {
-    /// True while this thread runs inside [`Store::deferred`].
-    static DEFERRING: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Bookkeeping of unsynced (deferred) writes.
-///
-/// Every deferred write takes a ticket and is applied while `gate` is held. A sync reads the
-/// latest ticket under `gate` (so every write up to it is in the WAL), syncs, and records it
-/// as `synced`. A reader that loads `issued` after its read sees the ticket of any deferred
-/// write it could have seen; if that ticket is not yet synced it syncs before returning.
-#[derive(Debug, Default)]
-struct Deferral {
-    gate: Mutex<()>,
-    /// Serialises syncs so that concurrent waiters share one.
-    sync: Mutex<()>,
-    issued: AtomicU64,
-    synced: AtomicU64,
-}
-
-impl Deferral {
-    fn outstanding(&self) -> bool {
-        self.issued.load(Ordering::Acquire) > self.synced.load(Ordering::Acquire)
-    }
-
-    /// The latest ticket whose write is complete.
-    fn complete_up_to(&self) -> u64 {
-        let _gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        self.issued.load(Ordering::Acquire)
-    }
-}
-
-/// Restores a thread's deferral flag when a deferred section ends, even by a panic.
-struct DeferringGuard(bool);
-
-impl Drop for DeferringGuard {
-    fn drop(&mut self) {
-        DEFERRING.set(self.0);
-    }
-}
-
 impl std::fmt::Debug for RocksStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RocksStore")
-            .field("path", &self.path)
+            .field("path", &self.engine.path)
             .finish()
+    }
+}
+
+impl Drop for RocksStore {
+    fn drop(&mut self) {
+        // Audit writes wait for the next round; there is none after this one.
+        let _ = self.engine.pipeline.flush(&|ops| self.engine.commit(ops));
     }
 }
 
@@ -223,7 +190,7 @@ impl RocksStore {
         let path = path.as_ref().to_path_buf();
         let db = open_db(&path, opts)?;
         let losses = report_recovery(&path);
-        Ok(Self::with_db_open(db, path, opts, losses, false))
+        Self::with_db_open(db, path, opts, losses, false)
     }
 
     /// Opens an existing store read-only (a backup, or a data dir to inspect): nothing in the
@@ -232,7 +199,7 @@ impl RocksStore {
     pub fn open_read_only(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let db = open_db_read_only(&path, opts)?;
-        Ok(Self::with_db_open(db, path, opts, Vec::new(), true))
+        Self::with_db_open(db, path, opts, Vec::new(), true)
     }
 
     fn with_db_open(
@@ -241,25 +208,25 @@ impl RocksStore {
         opts: &StoreOptions,
         losses: Vec<String>,
         inspect_only: bool,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, StoreError> {
+        let engine = Box::new(Engine {
             db: RwLock::new(Some(db)),
             needs_reopen: AtomicBool::new(false),
-            generation: AtomicU64::new(0),
             path,
             opts: opts.clone(),
-            deferral: Deferral::default(),
+            pipeline: Pipeline::new(),
             losses: Mutex::new(losses),
             read_only: AtomicBool::new(inspect_only),
             inspect_only,
-        }
+        });
+        Ok(Self { engine })
     }
 
     /// Writes a consistent copy of the store into `dir`, which must not exist, while it goes on
     /// serving: a RocksDB checkpoint (memtables flushed, table files hard-linked where the
-    /// filesystem allows, copied otherwise). It holds every write made before the call.
+    /// filesystem allows, copied otherwise). It holds every write acknowledged before the call.
     pub fn checkpoint_to(&self, dir: &Path) -> Result<(), StoreError> {
-        self.with_db(|db| {
+        self.engine.with_db(|db| {
             rocksdb::checkpoint::Checkpoint::new(db)
                 .and_then(|c| c.create_checkpoint(dir))
                 .map_err(engine)
@@ -272,7 +239,8 @@ impl RocksStore {
     /// the write-ahead log is a write that was never synced, so never acknowledged; anything
     /// else here means the disk lost synced data.
     pub fn recovery_losses(&self) -> Vec<String> {
-        self.losses
+        self.engine
+            .losses
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
@@ -280,7 +248,7 @@ impl RocksStore {
 
     /// Bytes the store holds: its table files and memtables (RocksDB's own figures).
     pub fn size_bytes(&self) -> Result<u64, StoreError> {
-        self.with_db_for_read(|db| {
+        self.engine.with_db_for_read(|db| {
             let cf = cf(db);
             let property = |name: &str| {
                 db.property_int_value_cf(cf, name)
@@ -296,9 +264,61 @@ impl RocksStore {
 
     /// The directory the store lives in.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.engine.path
     }
 
+    /// Flushes memtables to SST files (used before measuring on-disk size).
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.engine
+            .with_db(|db| db.flush_cf(cf(db)).map_err(engine))
+    }
+
+    /// Compacts the whole key range (after a bulk load, so that what is measured next does
+    /// not pay for the load's compaction debt).
+    pub fn compact(&self) -> Result<(), StoreError> {
+        self.engine.with_db(|db| {
+            db.compact_range_cf(cf(db), None::<&[u8]>, None::<&[u8]>);
+            Ok(())
+        })
+    }
+
+    /// Reads from RocksDB alone, past the staged writes.
+    fn engine_scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError> {
+        self.engine.with_db_for_read(|db| {
+            let mut ro = ReadOptions::default();
+            if let Some(end) = prefix_end(prefix) {
+                ro.set_iterate_upper_bound(end);
+            }
+            if prefix.len() == INTENT_PREFIX_LEN && is_intent_key(prefix) {
+                // One intent's entries: the prefix filters may skip whole tables.
+                ro.set_prefix_same_as_start(true);
+            } else {
+                // Any other range is read in total order, past the prefix filters.
+                ro.set_total_order_seek(true);
+            }
+            let start = if from < prefix { prefix } else { from };
+            let iter =
+                db.iterator_cf_opt(cf(db), ro, IteratorMode::From(start, Direction::Forward));
+            let mut out = Vec::new();
+            for item in iter {
+                let (k, v) = item.map_err(engine)?;
+                if !k.starts_with(prefix) || out.len() >= limit {
+                    break;
+                }
+                out.push((k.into_vec(), v.into_vec()));
+            }
+            Ok(out)
+        })
+    }
+
+    /// Writes straight to RocksDB, unsynced: only for a bulk load (`sync_writes` off).
+    fn write_direct(&self, batch: &Batch) -> Result<(), StoreError> {
+        crate::metrics::store_write("unsynced");
+        self.engine.write_ops(batch.ops(), false)
+    }
+}
+
+impl Engine {
     /// Runs `f` on the open database, reopening it first after a failed write.
     fn with_db<T>(&self, f: impl FnOnce(&DB) -> Result<T, StoreError>) -> Result<T, StoreError> {
         if self.inspect_only {
@@ -349,9 +369,6 @@ impl RocksStore {
                 match open_db_read_only(&self.path, &self.opts) {
                     Ok(db) => {
                         *guard = Some(db);
-                        self.generation.fetch_add(1, Ordering::AcqRel);
-                        let issued = self.deferral.issued.load(Ordering::Acquire);
-                        self.deferral.synced.fetch_max(issued, Ordering::AcqRel);
                         if !self.read_only.swap(true, Ordering::AcqRel) {
                             tracing::warn!(path = %self.path.display(), error = %e, "the ledger cannot be opened for writing; serving reads read-only, refusing writes until it can");
                         }
@@ -366,102 +383,38 @@ impl RocksStore {
         *guard = Some(db);
         self.read_only.store(false, Ordering::Release);
         *self.losses.lock().unwrap_or_else(|e| e.into_inner()) = report_recovery(&self.path);
-        // Recovery flushed what the WAL held into synced tables; a deferred section that was
-        // running fails on the generation check, so nothing it wrote is acknowledged.
-        self.generation.fetch_add(1, Ordering::AcqRel);
-        let issued = self.deferral.issued.load(Ordering::Acquire);
-        self.deferral.synced.fetch_max(issued, Ordering::AcqRel);
         self.needs_reopen.store(false, Ordering::Release);
         tracing::warn!(path = %self.path.display(), "ledger store reopened after a write error");
         Ok(())
     }
 
-    /// Writes a batch: `durable` as [`Store::write`], otherwise as [`Store::write_unsynced`].
-    fn write_batch(&self, batch: Batch, durable: bool) -> Result<(), StoreError> {
-        if batch.is_empty() {
+    /// The committer's round: every staged write of one round as one RocksDB write, synced.
+    fn commit(&self, ops: &[Op]) -> Result<(), StoreError> {
+        crate::metrics::wal_sync();
+        self.write_ops(ops, true)
+    }
+
+    /// Writes `ops` as one atomic RocksDB batch.
+    fn write_ops(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
+        if ops.is_empty() {
             return Ok(());
         }
         let result = self.with_db(|db| {
             let cf = cf(db);
             let mut wb = WriteBatch::default();
-            for op in batch.ops() {
+            for op in ops {
                 match op {
                     Op::Put(k, v) => wb.put_cf(cf, k, v),
                     Op::Delete(k) => wb.delete_cf(cf, k),
                 }
             }
-            if !durable {
-                // Audit data: into the WAL, synced by whichever durable write comes next.
-                crate::metrics::store_write("unsynced");
-                db.write_opt(wb, &write_options(false)).map_err(engine)
-            } else if self.opts.sync_writes && DEFERRING.get() {
-                crate::metrics::store_write("deferred");
-                let d = &self.deferral;
-                let _gate = d.gate.lock().unwrap_or_else(|e| e.into_inner());
-                // The ticket is taken before the write is visible: see `Deferral`.
-                d.issued.fetch_add(1, Ordering::AcqRel);
-                db.write_opt(wb, &write_options(false)).map_err(engine)
-            } else {
-                crate::metrics::store_write("synced");
-                if self.opts.sync_writes {
-                    crate::metrics::wal_sync();
-                }
-                db.write_opt(wb, &write_options(self.opts.sync_writes))
-                    .map_err(engine)
-            }
+            db.write_opt(wb, &write_options(sync)).map_err(engine)
         });
         if result.is_err() {
             // RocksDB may now refuse every write until reopened; do that on the next call.
             self.needs_reopen.store(true, Ordering::Release);
         }
         result
-    }
-
-    /// Flushes memtables to SST files (used before measuring on-disk size).
-    pub fn flush(&self) -> Result<(), StoreError> {
-        self.with_db(|db| db.flush_cf(cf(db)).map_err(engine))
-    }
-
-    /// Makes every deferred write completed so far durable (one WAL sync, shared by
-    /// concurrent callers).
-    fn sync_deferred(&self) -> Result<(), StoreError> {
-        let d = &self.deferral;
-        let _sync = d.sync.lock().unwrap_or_else(|e| e.into_inner());
-        let upto = d.complete_up_to();
-        if upto <= d.synced.load(Ordering::Acquire) {
-            // A sync that ran while this one waited covered it.
-            return Ok(());
-        }
-        crate::metrics::wal_sync();
-        let result = self.with_db(|db| db.flush_wal(true).map_err(engine));
-        match result {
-            Ok(()) => {
-                d.synced.fetch_max(upto, Ordering::AcqRel);
-                Ok(())
-            }
-            Err(e) => {
-                self.needs_reopen.store(true, Ordering::Release);
-                Err(e)
-            }
-        }
-    }
-
-    /// Called after every read: outside a deferred section, a read that may have seen a
-    /// deferred write does not return before that write is durable.
-    fn settle_read(&self) -> Result<(), StoreError> {
-        if !DEFERRING.get() && self.deferral.outstanding() {
-            self.sync_deferred()?;
-        }
-        Ok(())
-    }
-
-    /// Compacts the whole key range (after a bulk load, so that what is measured next does
-    /// not pay for the load's compaction debt).
-    pub fn compact(&self) -> Result<(), StoreError> {
-        self.with_db(|db| {
-            db.compact_range_cf(cf(db), None::<&[u8]>, None::<&[u8]>);
-            Ok(())
-        })
     }
 }
 
@@ -504,72 +457,73 @@ fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
 
 impl Store for RocksStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let value = self.with_db_for_read(|db| db.get_cf(cf(db), key).map_err(engine))?;
-        self.settle_read()?;
-        Ok(value)
+        // Staged first: an entry leaves the overlay only after RocksDB has it.
+        let pipeline = &self.engine.pipeline;
+        if let Some((value, seen)) = pipeline.get(key) {
+            pipeline.depend(seen, &|ops| self.engine.commit(ops))?;
+            return Ok(value);
+        }
+        self.engine
+            .with_db_for_read(|db| db.get_cf(cf(db), key).map_err(engine))
     }
 
     fn scan(&self, prefix: &[u8], from: &[u8], limit: usize) -> Result<Entries, StoreError> {
-        self.with_db_for_read(|db| {
-            let mut ro = ReadOptions::default();
-            if let Some(end) = prefix_end(prefix) {
-                ro.set_iterate_upper_bound(end);
-            }
-            if prefix.len() == INTENT_PREFIX_LEN && is_intent_key(prefix) {
-                // One intent's entries: the prefix filters may skip whole tables.
-                ro.set_prefix_same_as_start(true);
-            } else {
-                // Any other range is read in total order, past the prefix filters.
-                ro.set_total_order_seek(true);
-            }
-            let start = if from < prefix { prefix } else { from };
-            let iter =
-                db.iterator_cf_opt(cf(db), ro, IteratorMode::From(start, Direction::Forward));
-            let mut out = Vec::new();
-            for item in iter {
-                let (k, v) = item.map_err(engine)?;
-                if !k.starts_with(prefix) || out.len() >= limit {
-                    break;
-                }
-                out.push((k.into_vec(), v.into_vec()));
-            }
-            Ok(out)
-        })
-        .and_then(|out| {
-            self.settle_read()?;
-            Ok(out)
-        })
+        let start = if from < prefix { prefix } else { from };
+        let end = prefix_end(prefix);
+        let staged = self.engine.pipeline.range(start, end.as_deref());
+        if staged.entries.is_empty() {
+            return self.engine_scan(prefix, from, limit);
+        }
+        // Each staged entry may replace or delete one of RocksDB's: read that many more.
+        let found = self.engine_scan(prefix, from, limit.saturating_add(staged.entries.len()))?;
+        if let Some(seen) = staged.seen {
+            self.engine
+                .pipeline
+                .depend(seen, &|ops| self.engine.commit(ops))?;
+        }
+        Ok(pipeline::merge(found, staged.entries, limit))
     }
 
     fn write(&self, batch: Batch) -> Result<(), StoreError> {
-        self.write_batch(batch, true)
+        if !self.engine.opts.sync_writes {
+            return self.write_direct(&batch);
+        }
+        let pipeline = &self.engine.pipeline;
+        crate::metrics::store_write(if pipeline.in_section() {
+            "deferred"
+        } else {
+            "synced"
+        });
+        pipeline.write(batch, &|ops| self.engine.commit(ops))
     }
 
     fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
-        self.write_batch(batch, false)
+        if !self.engine.opts.sync_writes {
+            return self.write_direct(&batch);
+        }
+        crate::metrics::store_write("unsynced");
+        self.engine.pipeline.write_unsynced(batch)
     }
 
     fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
-        if DEFERRING.get() {
-            // Nested in another section (a batch inside a sequencer's group): the outer
-            // section syncs, and its caller answers nothing before that.
+        if !self.engine.opts.sync_writes {
             f();
             return Ok(());
         }
-        let generation = self.generation.load(Ordering::Acquire);
-        {
-            let _restore = DeferringGuard(DEFERRING.replace(true));
-            f();
+        self.engine
+            .pipeline
+            .deferred(f, &|ops| self.engine.commit(ops))
+    }
+
+    fn deferred_then(&self, f: Box<dyn FnOnce() -> Then + '_>) {
+        if !self.engine.opts.sync_writes {
+            let then = f();
+            then(Ok(()));
+            return;
         }
-        self.sync_deferred()?;
-        if self.generation.load(Ordering::Acquire) != generation
-            || self.needs_reopen.load(Ordering::Acquire)
-        {
-            return Err(StoreError::Engine(
-                "the store failed during a batch; its writes may not all be durable".into(),
-            ));
-        }
-        Ok(())
+        self.engine
+            .pipeline
+            .deferred_then(f, &|ops| self.engine.commit(ops))
     }
 }
 
@@ -687,8 +641,8 @@ mod tests {
         a.write(b).unwrap();
         // As after a failed write: the next call reopens; meanwhile another opener holds the
         // directory, so the read-write reopen fails.
-        a.needs_reopen.store(true, Ordering::Release);
-        *a.db.write().unwrap() = None;
+        a.engine.needs_reopen.store(true, Ordering::Release);
+        *a.engine.db.write().unwrap() = None;
         let holder = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
         for _ in 0..3 {
             assert_eq!(a.get(&[1]).unwrap(), Some(vec![1]));
@@ -768,17 +722,22 @@ mod tests {
         let (wrote_tx, wrote_rx) = std::sync::mpsc::channel();
         let (read_tx, read_rx) = std::sync::mpsc::channel();
         let s = &s;
+        let in_engine = |key: &[u8]| {
+            s.engine
+                .with_db_for_read(|db| db.get_cf(cf(db), key).map_err(engine))
+                .unwrap()
+        };
         std::thread::scope(|scope| {
             scope.spawn(move || {
                 s.deferred(&mut || {
                     let mut b = Batch::new();
                     b.put(vec![9, 1], vec![1]);
                     s.write(b).unwrap();
-                    // Visible, but not yet synced.
-                    assert!(s.deferral.outstanding());
-                    // Inside the section, reads do not sync.
+                    // Staged: visible, but not in RocksDB (so not durable) yet.
+                    assert_eq!(in_engine(&[9, 1]), None);
+                    // Inside the section, reads do not wait for it.
                     assert_eq!(s.get(&[9, 1]).unwrap(), Some(vec![1]));
-                    assert!(s.deferral.outstanding());
+                    assert_eq!(s.scan(&[9], &[9], 10).unwrap().len(), 1);
                     wrote_tx.send(()).unwrap();
                     read_rx.recv().unwrap();
                 })
@@ -787,15 +746,14 @@ mod tests {
             wrote_rx.recv().unwrap();
             // Another thread sees the write, and only once it is durable.
             assert_eq!(s.get(&[9, 1]).unwrap(), Some(vec![1]));
-            assert!(!s.deferral.outstanding());
+            assert_eq!(in_engine(&[9, 1]), Some(vec![1]));
             read_tx.send(()).unwrap();
         });
-        // The section's own sync found nothing left to do, and a later write is synced again.
-        assert!(!s.deferral.outstanding());
+        assert!(s.engine.pipeline.settled());
         let mut b = Batch::new();
         b.put(vec![9, 2], vec![2]);
         s.write(b).unwrap();
-        assert!(!s.deferral.outstanding());
+        assert_eq!(in_engine(&[9, 2]), Some(vec![2]));
     }
 
     #[test]
@@ -811,9 +769,49 @@ mod tests {
                 }
             })
             .unwrap();
-            assert!(!s.deferral.outstanding());
+            assert!(s.engine.pipeline.settled());
         }
         let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
         assert_eq!(s.scan(&[8], &[8], 100).unwrap().len(), 10);
+    }
+
+    /// Scans merge staged writes with RocksDB's: a staged put replaces, a staged delete
+    /// hides, and the limit counts what is returned.
+    #[test]
+    fn scans_see_staged_puts_and_deletes_over_stored_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        let mut b = Batch::new();
+        for i in 0..6u8 {
+            b.put(vec![5, i], vec![0]);
+        }
+        s.write(b).unwrap();
+        s.deferred(&mut || {
+            let mut b = Batch::new();
+            b.delete(vec![5, 0]);
+            b.delete(vec![5, 1]);
+            b.put(vec![5, 2], vec![2]);
+            b.put(vec![5, 9], vec![9]);
+            s.write(b).unwrap();
+            let all = s.scan(&[5], &[5], 100).unwrap();
+            assert_eq!(
+                all,
+                vec![
+                    (vec![5, 2], vec![2]),
+                    (vec![5, 3], vec![0]),
+                    (vec![5, 4], vec![0]),
+                    (vec![5, 5], vec![0]),
+                    (vec![5, 9], vec![9]),
+                ]
+            );
+            assert_eq!(s.scan(&[5], &[5], 2).unwrap(), all[..2].to_vec());
+            assert_eq!(s.scan(&[5], &[5, 4], 100).unwrap(), all[2..].to_vec());
+            assert_eq!(s.get(&[5, 0]).unwrap(), None);
+        })
+        .unwrap();
+        // The same once it is all in RocksDB.
+        assert!(s.engine.pipeline.settled());
+        assert_eq!(s.scan(&[5], &[5], 100).unwrap().len(), 5);
+        assert_eq!(s.get(&[5, 0]).unwrap(), None);
     }
 }
