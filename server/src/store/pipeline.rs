@@ -34,8 +34,20 @@ use std::ops::Bound;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-/// Writes one round to the engine as one atomic batch, durably.
-pub(crate) type Commit<'a> = &'a dyn Fn(&[Op]) -> Result<(), StoreError>;
+/// Where rounds go: the engine.
+pub(crate) trait Sink {
+    /// Copies a round's writes (in key order, each key once; `None` deletes it) into one
+    /// atomic engine batch, and returns what writes that batch durably. The copy is made
+    /// while staging waits (the writes are borrowed from the overlay, never cloned), the
+    /// write after.
+    fn round<'s>(
+        &'s self,
+        writes: &mut dyn Iterator<Item = (&[u8], Option<&[u8]>)>,
+    ) -> Result<Box<dyn FnOnce() -> Result<(), StoreError> + 's>, StoreError>;
+}
+
+/// The engine rounds are committed to.
+pub(crate) type Commit<'a> = &'a dyn Sink;
 
 use super::{Batch, Op, StoreError, Then};
 
@@ -46,10 +58,12 @@ struct Staged {
 }
 
 struct State {
-    /// The latest staged value of every key whose round is not yet durable.
+    /// The latest staged value of every key whose round is not yet durable. When the open
+    /// round is taken every entry belongs to it, so the round is the overlay itself: in key
+    /// order, each key once.
     overlay: BTreeMap<Vec<u8>, Staged>,
-    /// The open round's writes, in order.
-    open: Vec<Op>,
+    /// Writes staged in the open round.
+    open_writes: usize,
     /// The epoch the open round gets.
     open_epoch: u64,
     /// Every round up to this epoch is resolved (durable, or failed with a generation bump).
@@ -118,7 +132,7 @@ impl Pipeline {
         Self {
             state: Mutex::new(State {
                 overlay: BTreeMap::new(),
-                open: Vec::new(),
+                open_writes: 0,
                 open_epoch: 1,
                 resolved: 0,
                 generation: 0,
@@ -216,15 +230,21 @@ impl Pipeline {
             }
             None => {
                 let mut st = self.state();
-                if !st.committing && st.open.is_empty() {
+                if !st.committing && st.open_writes == 0 {
                     // Nothing staged to go before it: commit it directly, unstaged (it is
                     // visible once durable, as it must be before this returns).
                     st.committing = true;
                     drop(st);
-                    let result = catch_unwind(AssertUnwindSafe(|| commit(&batch.ops)))
-                        .unwrap_or_else(|_| {
-                            Err(StoreError::Engine("the engine write panicked".into()))
+                    let result = catch_unwind(AssertUnwindSafe(|| {
+                        let mut writes = batch.ops.iter().map(|op| match op {
+                            Op::Put(k, v) => (k.as_slice(), Some(v.as_slice())),
+                            Op::Delete(k) => (k.as_slice(), None),
                         });
+                        commit.round(&mut writes).and_then(|write| write())
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(StoreError::Engine("the engine write panicked".into()))
+                    });
                     // A failure poisons nothing: nothing was staged on top of a write that
                     // was never visible.
                     let mut st = self.state();
@@ -258,13 +278,13 @@ impl Pipeline {
             return Err(poisoned());
         }
         let epoch = st.open_epoch;
+        st.open_writes += batch.ops.len();
         for op in batch.ops {
-            let (key, value) = match &op {
-                Op::Put(k, v) => (k.clone(), Some(v.clone())),
-                Op::Delete(k) => (k.clone(), None),
+            let (key, value) = match op {
+                Op::Put(k, v) => (k, Some(v)),
+                Op::Delete(k) => (k, None),
             };
             st.overlay.insert(key, Staged { value, epoch });
-            st.open.push(op);
         }
         Ok(epoch)
     }
@@ -361,28 +381,34 @@ impl Pipeline {
     /// goes on to the rounds wanted meanwhile).
     fn drive<'a>(&'a self, mut st: MutexGuard<'a, State>, commit: Commit<'_>) {
         loop {
-            if st.committing || st.open.is_empty() || st.wanted < st.open_epoch {
+            if st.committing || st.open_writes == 0 || st.wanted < st.open_epoch {
                 return;
             }
             st.committing = true;
-            let ops = std::mem::take(&mut st.open);
             let epoch = st.open_epoch;
             st.open_epoch += 1;
+            st.open_writes = 0;
+            // Copied while staging waits; an engine that panics fails the round, and never
+            // leaves the pipeline committing for good.
+            let round = catch_unwind(AssertUnwindSafe(|| {
+                let mut writes = st
+                    .overlay
+                    .iter()
+                    .filter(|(_, s)| s.epoch == epoch)
+                    .map(|(k, s)| (k.as_slice(), s.value.as_deref()));
+                commit.round(&mut writes)
+            }))
+            .unwrap_or_else(|_| Err(StoreError::Engine("the engine batch panicked".into())));
             drop(st);
-            let ops = coalesce(ops);
-            // A panicking engine write is a failed commit, not a committer stuck for good.
-            let result = catch_unwind(AssertUnwindSafe(|| commit(&ops)))
-                .unwrap_or_else(|_| Err(StoreError::Engine("the engine write panicked".into())));
+            let result = round.and_then(|write| {
+                catch_unwind(AssertUnwindSafe(write))
+                    .unwrap_or_else(|_| Err(StoreError::Engine("the engine write panicked".into())))
+            });
             st = self.state();
             st.committing = false;
             let (ready, result) = match result {
                 Ok(()) => {
-                    for op in &ops {
-                        let key = key_of(op);
-                        if st.overlay.get(key).is_some_and(|s| s.epoch == epoch) {
-                            st.overlay.remove(key);
-                        }
-                    }
+                    st.overlay.retain(|_, s| s.epoch != epoch);
                     st.resolved = epoch;
                     let (ready, rest) = std::mem::take(&mut st.waiting)
                         .into_iter()
@@ -391,10 +417,10 @@ impl Pipeline {
                     (ready, Ok(()))
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, writes = ops.len(), "a commit failed; everything staged and not yet durable is dropped and answered UNAVAILABLE");
+                    tracing::error!(error = %e, "a commit failed; everything staged and not yet durable is dropped and answered UNAVAILABLE");
                     // Everything staged since was decided from what just failed: drop it all.
                     st.overlay.clear();
-                    st.open.clear();
+                    st.open_writes = 0;
                     st.resolved = st.open_epoch;
                     st.open_epoch += 1;
                     st.generation += 1;
@@ -411,7 +437,7 @@ impl Pipeline {
     pub(crate) fn flush(&self, commit: Commit<'_>) -> Result<(), StoreError> {
         let mut st = self.state();
         // Nothing open: wait for the round being committed, if any.
-        let epoch = st.open_epoch - u64::from(st.open.is_empty());
+        let epoch = st.open_epoch - u64::from(st.open_writes == 0);
         let generation = st.generation;
         st.wanted = st.wanted.max(epoch);
         drop(st);
@@ -422,31 +448,8 @@ impl Pipeline {
     #[cfg(test)]
     pub(crate) fn settled(&self) -> bool {
         let st = self.state();
-        st.overlay.is_empty() && st.open.is_empty()
+        st.overlay.is_empty() && st.open_writes == 0
     }
-}
-
-fn key_of(op: &Op) -> &[u8] {
-    match op {
-        Op::Put(k, _) | Op::Delete(k) => k,
-    }
-}
-
-/// A round's writes in key order, only the last write of each key kept. The round is one
-/// atomic batch, so an overwritten value was never visible outside the overlay; and RocksDB
-/// inserts a batch's keys into its memtable one after another, each search starting from
-/// where the last one ended, which is cheapest when they come sorted.
-fn coalesce(mut ops: Vec<Op>) -> Vec<Op> {
-    // Stable: the writes of one key stay in the order they were made.
-    ops.sort_by(|a, b| key_of(a).cmp(key_of(b)));
-    let mut out: Vec<Op> = Vec::with_capacity(ops.len());
-    for op in ops {
-        match out.last_mut() {
-            Some(last) if key_of(last) == key_of(&op) => *last = op,
-            _ => out.push(op),
-        }
-    }
-    out
 }
 
 /// Calls each continuation with a round's result.
@@ -543,16 +546,19 @@ mod tests {
         b
     }
 
+    /// A round as the test sees it: each write's key and value (one byte each).
+    type Round = Vec<(u8, Option<u8>)>;
+
     /// An engine whose commits hand each round to the test and wait for its result.
     struct Rig {
-        rounds: Mutex<mpsc::Sender<Vec<u8>>>,
+        rounds: Mutex<mpsc::Sender<Round>>,
         results: Mutex<mpsc::Receiver<Result<(), StoreError>>>,
     }
 
     impl Rig {
         fn new() -> (
             Rig,
-            mpsc::Receiver<Vec<u8>>,
+            mpsc::Receiver<Round>,
             mpsc::Sender<Result<(), StoreError>>,
         ) {
             let (round_tx, rounds) = mpsc::channel();
@@ -563,17 +569,19 @@ mod tests {
             };
             (rig, rounds, results)
         }
+    }
 
-        /// The round's keys go to the test; its answer comes back.
-        fn commit(&self, ops: &[Op]) -> Result<(), StoreError> {
-            let keys = ops
-                .iter()
-                .map(|op| match op {
-                    Op::Put(k, _) | Op::Delete(k) => k[0],
-                })
-                .collect();
-            self.rounds.lock().unwrap().send(keys).unwrap();
-            self.results.lock().unwrap().recv().unwrap()
+    impl Sink for Rig {
+        /// The round goes to the test; its answer comes back.
+        fn round<'s>(
+            &'s self,
+            writes: &mut dyn Iterator<Item = (&[u8], Option<&[u8]>)>,
+        ) -> Result<Box<dyn FnOnce() -> Result<(), StoreError> + 's>, StoreError> {
+            let round: Round = writes.map(|(k, v)| (k[0], v.map(|v| v[0]))).collect();
+            Ok(Box::new(move || {
+                self.rounds.lock().unwrap().send(round).unwrap();
+                self.results.lock().unwrap().recv().unwrap()
+            }))
         }
     }
 
@@ -581,20 +589,20 @@ mod tests {
     fn a_failed_commit_fails_everything_decided_after_it_and_nothing_of_it_is_written() {
         let p = Pipeline::new();
         let (rig, rounds, results) = Rig::new();
-        let commit = |ops: &[Op]| rig.commit(ops);
+        let commit = &rig;
         let (first_tx, first) = mpsc::channel();
         std::thread::scope(|scope| {
             // Section 1 writes key 1 and commits its round itself, waiting for the test.
             scope.spawn(|| {
                 p.deferred_then(
                     Box::new(|| {
-                        p.write(put(1), &commit).unwrap();
+                        p.write(put(1), commit).unwrap();
                         Box::new(move |r| first_tx.send(r).unwrap())
                     }),
-                    &commit,
+                    commit,
                 )
             });
-            assert_eq!(rounds.recv().unwrap(), vec![1]);
+            assert_eq!(rounds.recv().unwrap(), vec![(1, Some(1))]);
             // Section 2 decides from key 1 (not yet durable) and writes key 2; then key 1's
             // round fails.
             let (second_tx, second) = mpsc::channel();
@@ -602,17 +610,17 @@ mod tests {
                 Box::new(|| {
                     let (value, seen) = p.get(&[1]).expect("staged");
                     assert_eq!(value, Some(vec![1]));
-                    p.depend(seen, &commit).unwrap();
-                    p.write(put(2), &commit).unwrap();
+                    p.depend(seen, commit).unwrap();
+                    p.write(put(2), commit).unwrap();
                     results
                         .send(Err(StoreError::Engine("fsync failed".into())))
                         .unwrap();
                     // Once the failure is known, this section can write nothing more.
                     assert!(first.recv().unwrap().is_err());
-                    assert!(p.write(put(3), &commit).is_err());
+                    assert!(p.write(put(3), commit).is_err());
                     Box::new(move |r| second_tx.send(r).unwrap())
                 }),
-                &commit,
+                commit,
             );
             assert!(second.recv().unwrap().is_err());
         });
@@ -621,8 +629,8 @@ mod tests {
         assert!(p.get(&[2]).is_none());
         // A write made after the failure commits normally.
         std::thread::scope(|scope| {
-            let writer = scope.spawn(|| p.write(put(4), &commit));
-            assert_eq!(rounds.recv().unwrap(), vec![4]);
+            let writer = scope.spawn(|| p.write(put(4), commit));
+            assert_eq!(rounds.recv().unwrap(), vec![(4, Some(4))]);
             results.send(Ok(())).unwrap();
             writer.join().unwrap().unwrap();
         });
@@ -634,22 +642,22 @@ mod tests {
     fn a_read_outside_a_section_returns_only_once_what_it_read_is_durable() {
         let p = Pipeline::new();
         let (rig, rounds, results) = Rig::new();
-        let commit = |ops: &[Op]| rig.commit(ops);
+        let commit = &rig;
         let (done_tx, done) = mpsc::channel();
         std::thread::scope(|scope| {
             scope.spawn(|| {
                 p.deferred_then(
                     Box::new(|| {
-                        p.write(put(1), &commit).unwrap();
+                        p.write(put(1), commit).unwrap();
                         Box::new(move |r| done_tx.send(r).unwrap())
                     }),
-                    &commit,
+                    commit,
                 )
             });
-            assert_eq!(rounds.recv().unwrap(), vec![1]);
+            assert_eq!(rounds.recv().unwrap(), vec![(1, Some(1))]);
             let reader = scope.spawn(|| {
                 let (value, seen) = p.get(&[1]).expect("staged until committed");
-                p.depend(seen, &commit).map(|()| value)
+                p.depend(seen, commit).map(|()| value)
             });
             // The reader cannot finish while the round it read from is being committed.
             std::thread::sleep(std::time::Duration::from_millis(50));
@@ -666,45 +674,52 @@ mod tests {
     fn unwanted_writes_wait_for_a_wanted_round_or_a_flush() {
         let p = Pipeline::new();
         let (rig, rounds, results) = Rig::new();
-        let commit = |ops: &[Op]| rig.commit(ops);
+        let commit = &rig;
         // Audit data alone is not committed...
         p.write_unsynced(put(1)).unwrap();
         assert!(rounds.try_recv().is_err());
         assert!(!p.settled());
         // ...but goes with the next round someone waits for.
         results.send(Ok(())).unwrap();
-        p.write(put(2), &commit).unwrap();
-        assert_eq!(rounds.recv().unwrap(), vec![1, 2]);
+        p.write(put(2), commit).unwrap();
+        assert_eq!(rounds.recv().unwrap(), vec![(1, Some(1)), (2, Some(2))]);
         p.write_unsynced(put(3)).unwrap();
         results.send(Ok(())).unwrap();
-        p.flush(&commit).unwrap();
-        assert_eq!(rounds.recv().unwrap(), vec![3]);
+        p.flush(commit).unwrap();
+        assert_eq!(rounds.recv().unwrap(), vec![(3, Some(3))]);
         assert!(p.settled());
         // Nothing left: a flush commits nothing.
-        p.flush(&commit).unwrap();
+        p.flush(commit).unwrap();
         assert!(rounds.try_recv().is_err());
     }
 
     #[test]
     fn a_round_is_written_in_key_order_with_the_last_write_of_each_key() {
-        let ops = vec![
-            Op::Put(vec![3], vec![1]),
-            Op::Put(vec![1], vec![1]),
-            Op::Delete(vec![3]),
-            Op::Put(vec![2], vec![1]),
-            Op::Put(vec![1], vec![2]),
-            Op::Put(vec![3], vec![3]),
-        ];
+        let p = Pipeline::new();
+        let (rig, rounds, results) = Rig::new();
+        let mut b = Batch::new();
+        b.put(vec![3], vec![1]);
+        b.put(vec![1], vec![1]);
+        b.delete(vec![3]);
+        b.put(vec![2], vec![1]);
+        p.write_unsynced(b).unwrap();
+        let mut b = Batch::new();
+        b.put(vec![1], vec![2]);
+        b.put(vec![3], vec![3]);
+        results.send(Ok(())).unwrap();
+        p.write(b, &rig).unwrap();
         assert_eq!(
-            coalesce(ops),
-            vec![
-                Op::Put(vec![1], vec![2]),
-                Op::Put(vec![2], vec![1]),
-                Op::Put(vec![3], vec![3]),
-            ]
+            rounds.recv().unwrap(),
+            vec![(1, Some(2)), (2, Some(1)), (3, Some(3))]
         );
-        let ops = vec![Op::Put(vec![5], vec![1]), Op::Delete(vec![5])];
-        assert_eq!(coalesce(ops), vec![Op::Delete(vec![5])]);
+        let mut b = Batch::new();
+        b.put(vec![5], vec![1]);
+        p.write_unsynced(b).unwrap();
+        let mut b = Batch::new();
+        b.delete(vec![5]);
+        results.send(Ok(())).unwrap();
+        p.write(b, &rig).unwrap();
+        assert_eq!(rounds.recv().unwrap(), vec![(5, None)]);
     }
 
     #[test]

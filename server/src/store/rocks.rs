@@ -81,7 +81,7 @@ impl std::fmt::Debug for RocksStore {
 impl Drop for RocksStore {
     fn drop(&mut self) {
         // Audit writes wait for the next round; there is none after this one.
-        let _ = self.engine.pipeline.flush(&|ops| self.engine.commit(ops));
+        let _ = self.engine.pipeline.flush(self.engine.as_ref());
     }
 }
 
@@ -388,33 +388,58 @@ impl Engine {
         Ok(())
     }
 
-    /// The committer's round: every staged write of one round as one RocksDB write, synced.
-    fn commit(&self, ops: &[Op]) -> Result<(), StoreError> {
-        crate::metrics::wal_sync();
-        self.write_ops(ops, true)
+    /// Writes `ops` as one atomic RocksDB batch (a bulk load's, unsynced).
+    fn write_ops(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
+        let mut writes = ops.iter().map(|op| match op {
+            Op::Put(k, v) => (k.as_slice(), Some(v.as_slice())),
+            Op::Delete(k) => (k.as_slice(), None),
+        });
+        let batch = self.batch(&mut writes)?;
+        self.write_batch(batch, sync)
     }
 
-    /// Writes `ops` as one atomic RocksDB batch.
-    fn write_ops(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
-        if ops.is_empty() {
-            return Ok(());
-        }
-        let result = self.with_db(|db| {
+    fn batch(
+        &self,
+        writes: &mut dyn Iterator<Item = (&[u8], Option<&[u8]>)>,
+    ) -> Result<WriteBatch, StoreError> {
+        self.with_db(|db| {
             let cf = cf(db);
             let mut wb = WriteBatch::default();
-            for op in ops {
-                match op {
-                    Op::Put(k, v) => wb.put_cf(cf, k, v),
-                    Op::Delete(k) => wb.delete_cf(cf, k),
+            for (k, v) in writes {
+                match v {
+                    Some(v) => wb.put_cf(cf, k, v),
+                    None => wb.delete_cf(cf, k),
                 }
             }
-            db.write_opt(wb, &write_options(sync)).map_err(engine)
-        });
+            Ok(wb)
+        })
+    }
+
+    fn write_batch(&self, batch: WriteBatch, sync: bool) -> Result<(), StoreError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        if sync {
+            crate::metrics::wal_sync();
+        }
+        let result = self.with_db(|db| db.write_opt(batch, &write_options(sync)).map_err(engine));
         if result.is_err() {
             // RocksDB may now refuse every write until reopened; do that on the next call.
             self.needs_reopen.store(true, Ordering::Release);
         }
         result
+    }
+}
+
+/// A round is one RocksDB write batch, synced. (The column family's id is what a batch
+/// records, and it survives a reopen between the copy and the write.)
+impl pipeline::Sink for Engine {
+    fn round<'s>(
+        &'s self,
+        writes: &mut dyn Iterator<Item = (&[u8], Option<&[u8]>)>,
+    ) -> Result<Box<dyn FnOnce() -> Result<(), StoreError> + 's>, StoreError> {
+        let batch = self.batch(writes)?;
+        Ok(Box::new(move || self.write_batch(batch, true)))
     }
 }
 
@@ -460,7 +485,7 @@ impl Store for RocksStore {
         // Staged first: an entry leaves the overlay only after RocksDB has it.
         let pipeline = &self.engine.pipeline;
         if let Some((value, seen)) = pipeline.get(key) {
-            pipeline.depend(seen, &|ops| self.engine.commit(ops))?;
+            pipeline.depend(seen, self.engine.as_ref())?;
             return Ok(value);
         }
         self.engine
@@ -477,9 +502,7 @@ impl Store for RocksStore {
         // Each staged entry may replace or delete one of RocksDB's: read that many more.
         let found = self.engine_scan(prefix, from, limit.saturating_add(staged.entries.len()))?;
         if let Some(seen) = staged.seen {
-            self.engine
-                .pipeline
-                .depend(seen, &|ops| self.engine.commit(ops))?;
+            self.engine.pipeline.depend(seen, self.engine.as_ref())?;
         }
         Ok(pipeline::merge(found, staged.entries, limit))
     }
@@ -494,7 +517,7 @@ impl Store for RocksStore {
         } else {
             "synced"
         });
-        pipeline.write(batch, &|ops| self.engine.commit(ops))
+        pipeline.write(batch, self.engine.as_ref())
     }
 
     fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
@@ -510,9 +533,7 @@ impl Store for RocksStore {
             f();
             return Ok(());
         }
-        self.engine
-            .pipeline
-            .deferred(f, &|ops| self.engine.commit(ops))
+        self.engine.pipeline.deferred(f, self.engine.as_ref())
     }
 
     fn deferred_then(&self, f: Box<dyn FnOnce() -> Then + '_>) {
@@ -521,9 +542,7 @@ impl Store for RocksStore {
             then(Ok(()));
             return;
         }
-        self.engine
-            .pipeline
-            .deferred_then(f, &|ops| self.engine.commit(ops))
+        self.engine.pipeline.deferred_then(f, self.engine.as_ref())
     }
 }
 
