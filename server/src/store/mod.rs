@@ -103,8 +103,8 @@ pub trait Store: Send + Sync + 'static {
     /// if that succeeds does this return `Ok`: everything `f` wrote is then durable. On
     /// `Err`, any of `f`'s writes may or may not have survived, so nothing computed inside
     /// `f` may be acknowledged. Other threads never answer from a deferred write that is not
-    /// yet durable (a store that defers syncs a read that may have seen one before returning
-    /// it). This is how a batch of decisions shares one `fdatasync`. A section inside another
+    /// yet durable (a store that defers makes a read that may have seen one wait until it is
+    /// durable). This is how a batch of decisions shares one `fdatasync`. A section inside another
     /// section defers to it: the outer one syncs.
     ///
     /// The default runs `f` with ordinary durable writes.
