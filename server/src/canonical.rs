@@ -138,6 +138,14 @@ pub fn parse_arguments(text: &str) -> Result<Value, CanonicalError> {
 
 /// The canonical intent bytes of `args` under `schema`.
 pub fn canonical_intent(args: &Value, schema: &IntentSchema) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    if schema.volatile.is_empty()
+        && (schema.rule == StringRule::Exact || schema.normalized.is_empty())
+    {
+        // Nothing to strip or normalise: no copy to edit.
+        write_canonical(args, &mut out);
+        return out;
+    }
     let mut value = args.clone();
     let volatile: Vec<&[Segment]> = schema.volatile.iter().map(|p| &p.0[..]).collect();
     strip(&mut value, &volatile, schema.blanks_elements());
@@ -146,7 +154,6 @@ pub fn canonical_intent(args: &Value, schema: &IntentSchema) -> Vec<u8> {
             normalize_path(&mut value, &path.0, schema.rule);
         }
     }
-    let mut out = Vec::with_capacity(64);
     write_canonical(&value, &mut out);
     out
 }
@@ -284,10 +291,7 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
         Value::Number(n) => write_number(n, out),
-        Value::String(s) => {
-            // serde_json's string escaping is deterministic; reuse it.
-            out.extend_from_slice(Value::String(s.clone()).to_string().as_bytes());
-        }
+        Value::String(s) => write_string(s, out),
         Value::Array(items) => {
             out.push(b'[');
             for (i, item) in items.iter().enumerate() {
@@ -299,19 +303,34 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
             out.push(b']');
         }
         Value::Object(map) => {
-            let sorted: BTreeMap<&String, &Value> = map.iter().collect();
             out.push(b'{');
-            for (i, (k, v)) in sorted.into_iter().enumerate() {
+            let mut member = |i: usize, k: &String, v: &Value| {
                 if i > 0 {
                     out.push(b',');
                 }
-                out.extend_from_slice(Value::String(k.clone()).to_string().as_bytes());
+                write_string(k, out);
                 out.push(b':');
                 write_canonical(v, out);
+            };
+            if map.keys().is_sorted() {
+                // serde_json's own map is sorted already (the common case): no second one.
+                for (i, (k, v)) in map.iter().enumerate() {
+                    member(i, k, v);
+                }
+            } else {
+                let sorted: BTreeMap<&String, &Value> = map.iter().collect();
+                for (i, (k, v)) in sorted.into_iter().enumerate() {
+                    member(i, k, v);
+                }
             }
             out.push(b'}');
         }
     }
+}
+
+/// A JSON string as serde_json writes it (its escaping is deterministic), straight into `out`.
+fn write_string(s: &str, out: &mut Vec<u8>) {
+    serde_json::to_writer(&mut *out, s).expect("writing a string into a Vec cannot fail");
 }
 
 fn write_number(n: &Number, out: &mut Vec<u8>) {
@@ -500,6 +519,17 @@ mod tests {
     fn schema(volatile: &[&str]) -> IntentSchema {
         let v: Vec<String> = volatile.iter().map(|s| s.to_string()).collect();
         IntentSchema::new(&v, &[], StringRule::Exact).unwrap()
+    }
+
+    /// The canonical form is stored (as fingerprints) in every ledger: these bytes must never
+    /// change. Escapes, non-ASCII text, unsorted and nested keys, number spelling.
+    #[test]
+    fn the_canonical_form_is_pinned_byte_for_byte() {
+        let text = r#"{"b":"q\"\\\n\u0001\u00e9\ud83d\ude00 /","a":[1,{"z":null,"y":true}],"c":1.50,"\u00e9":-0}"#;
+        let expected = r#"{"a":[1,{"y":true,"z":null}],"b":"q\"\\\n\u0001é😀 /","c":1.5,"é":0}"#;
+        assert_eq!(canon(text, &schema(&[])), expected);
+        // The same through the path that edits a copy (a volatile field that is absent).
+        assert_eq!(canon(text, &schema(&["absent"])), expected);
     }
 
     #[test]
