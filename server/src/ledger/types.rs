@@ -228,12 +228,13 @@ pub struct EffectId {
 
 impl fmt::Display for EffectId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "e{}{:016x}",
-            crate::store::codec::hex(&self.run_key),
-            self.seq
-        )
+        // By hand: this is formatted for every answer, and `write!` per digit group costs more
+        // than the rest of the answer's conversion.
+        let mut text = [0u8; 49];
+        text[0] = b'e';
+        crate::store::codec::hex_into(&self.run_key, &mut text[1..33]);
+        crate::store::codec::hex_into(&self.seq.to_be_bytes(), &mut text[33..]);
+        f.write_str(std::str::from_utf8(&text).expect("hex digits are ASCII"))
     }
 }
 
@@ -245,9 +246,11 @@ impl std::str::FromStr for EffectId {
             .strip_prefix('e')
             .filter(|b| b.len() == 48)
             .ok_or("an effect id is 'e' followed by 48 hex digits")?;
-        let bytes = crate::store::codec::unhex(body).ok_or("an effect id is hex after the 'e'")?;
-        let run_key: RunKey = bytes[..16].try_into().map_err(|_| "bad run key")?;
-        let seq = u64::from_be_bytes(bytes[16..].try_into().map_err(|_| "bad sequence")?);
+        let mut bytes = [0u8; 24];
+        crate::store::codec::unhex_into(body, &mut bytes)
+            .ok_or("an effect id is hex after the 'e'")?;
+        let run_key: RunKey = bytes[..16].try_into().expect("16 of 24 bytes");
+        let seq = u64::from_be_bytes(bytes[16..].try_into().expect("8 of 24 bytes"));
         if seq == 0 {
             return Err("effect sequence numbers start at 1");
         }
@@ -386,5 +389,39 @@ impl Decision {
 impl From<Refusal> for Decision {
     fn from(r: Refusal) -> Self {
         Self::Refused(Box::new(r))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn effect_ids_print_as_e_run_key_and_sequence_in_hex_and_parse_back() {
+        let run_key: RunKey = std::array::from_fn(|i| (i as u8).wrapping_mul(37));
+        for seq in [1u64, 0xab, u64::MAX] {
+            let id = EffectId { run_key, seq };
+            let text = id.to_string();
+            // The form every stored and issued id has: it must never change.
+            assert_eq!(
+                text,
+                format!("e{}{seq:016x}", crate::store::codec::hex(&run_key))
+            );
+            assert_eq!(text.parse::<EffectId>().unwrap(), id);
+            let upper = format!("e{}", text[1..].to_uppercase());
+            assert_eq!(upper.parse::<EffectId>().unwrap(), id);
+        }
+        let good = EffectId { run_key, seq: 7 }.to_string();
+        for bad in [
+            String::new(),
+            good[1..].to_owned(),
+            format!("x{}", &good[1..]),
+            format!("{good}0"),
+            format!("e{}", "0".repeat(48)),
+            format!("e+{}", &good[2..]),
+            format!("e{}g", &good[1..48]),
+        ] {
+            assert!(bad.parse::<EffectId>().is_err(), "{bad:?}");
+        }
     }
 }

@@ -30,29 +30,63 @@ pub fn decode<M: Message + Default>(key: &[u8], bytes: &[u8]) -> Result<M, Store
 
 /// Lowercase hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 0xf)] as char);
-    }
-    s
+    let mut out = vec![0u8; bytes.len() * 2];
+    hex_into(bytes, &mut out);
+    String::from_utf8(out).expect("hex digits are ASCII")
 }
 
-/// Parses lowercase or uppercase hex.
+/// Writes `bytes` as lowercase hex into `out`, which must be twice as long.
+pub fn hex_into(bytes: &[u8], out: &mut [u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    debug_assert_eq!(out.len(), bytes.len() * 2);
+    for (b, pair) in bytes.iter().zip(out.chunks_exact_mut(2)) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 0xf)];
+    }
+}
+
+/// Parses lowercase or uppercase hex (digits only: no sign, no prefix).
 pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
+    let mut out = vec![0u8; s.len() / 2];
+    unhex_into(s, &mut out)?;
+    Some(out)
+}
+
+/// Parses hex into `out`: `s` must be exactly twice as long.
+pub fn unhex_into(s: &str, out: &mut [u8]) -> Option<()> {
+    fn nibble(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        }
+    }
+    let s = s.as_bytes();
+    if s.len() != out.len() * 2 {
         return None;
     }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
+    for (pair, b) in s.chunks_exact(2).zip(out.iter_mut()) {
+        *b = (nibble(pair[0])? << 4) | nibble(pair[1])?;
+    }
+    Some(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_is_digits_only_and_round_trips() {
+        let bytes = [0u8, 1, 0x7f, 0x80, 0xab, 0xff];
+        assert_eq!(hex(&bytes), "00017f80abff");
+        assert_eq!(unhex("00017f80abff").unwrap(), bytes);
+        assert_eq!(unhex("00017F80ABFF").unwrap(), bytes);
+        assert_eq!(unhex("").unwrap(), Vec::<u8>::new());
+        for bad in ["0", "+f", "-1", "0x", "g0", " 1"] {
+            assert_eq!(unhex(bad), None, "{bad:?}");
+        }
+    }
 
     #[derive(Clone, PartialEq, prost::Message)]
     struct Probe {
