@@ -54,7 +54,12 @@ use super::{Batch, Op, StoreError, Then};
 /// One staged value: `None` for a delete.
 struct Staged {
     value: Option<Vec<u8>>,
+    /// The round that writes it.
     epoch: u64,
+    /// The round a reader of it depends on: its own for a durable write; for audit data, the
+    /// last round a durable write was staged in before it (what it may have been derived
+    /// from), so that reading audit data never waits for the audit data itself.
+    needs: u64,
 }
 
 struct State {
@@ -64,6 +69,8 @@ struct State {
     overlay: BTreeMap<Vec<u8>, Staged>,
     /// Writes staged in the open round.
     open_writes: usize,
+    /// The latest round a durable write was staged in.
+    last_durable: u64,
     /// The epoch the open round gets.
     open_epoch: u64,
     /// Every round up to this epoch is resolved (durable, or failed with a generation bump).
@@ -133,6 +140,7 @@ impl Pipeline {
             state: Mutex::new(State {
                 overlay: BTreeMap::new(),
                 open_writes: 0,
+                last_durable: 0,
                 open_epoch: 1,
                 resolved: 0,
                 generation: 0,
@@ -174,7 +182,7 @@ impl Pipeline {
         Some((
             staged.value.clone(),
             Seen {
-                epoch: staged.epoch,
+                epoch: staged.needs,
                 generation: st.generation,
             },
         ))
@@ -190,7 +198,7 @@ impl Pipeline {
         let mut out = Staging::default();
         for (k, s) in st.overlay.range::<[u8], _>((Bound::Included(start), upper)) {
             out.entries.push((k.clone(), s.value.clone()));
-            let epoch = out.seen.map_or(0, |seen| seen.epoch).max(s.epoch);
+            let epoch = out.seen.map_or(0, |seen| seen.epoch).max(s.needs);
             out.seen = Some(Seen {
                 epoch,
                 generation: st.generation,
@@ -223,7 +231,7 @@ impl Pipeline {
         }
         match self.section() {
             Some(mut section) => {
-                let epoch = self.stage(batch, Some(section.generation))?;
+                let epoch = self.stage(batch, Some(section.generation), true)?;
                 section.needed = section.needed.max(epoch);
                 self.set_section(section);
                 Ok(())
@@ -255,7 +263,7 @@ impl Pipeline {
                 }
                 let generation = st.generation;
                 drop(st);
-                let epoch = self.stage(batch, Some(generation))?;
+                let epoch = self.stage(batch, Some(generation), true)?;
                 self.wait_durable(epoch, generation, commit)
             }
         }
@@ -267,24 +275,46 @@ impl Pipeline {
             return Ok(());
         }
         let generation = self.section().map(|s| s.generation);
-        self.stage(batch, generation).map(|_| ())
+        self.stage(batch, generation, false).map(|_| ())
     }
 
     /// Appends `batch` to the open round and the overlay; its epoch. `generation`: refused if
-    /// a commit failed since then.
-    fn stage(&self, batch: Batch, generation: Option<u64>) -> Result<u64, StoreError> {
+    /// a commit failed since then. `durable`: an answer will depend on it (not audit data).
+    fn stage(
+        &self,
+        batch: Batch,
+        generation: Option<u64>,
+        durable: bool,
+    ) -> Result<u64, StoreError> {
         let mut st = self.state();
         if generation.is_some_and(|g| g != st.generation) {
             return Err(poisoned());
         }
         let epoch = st.open_epoch;
+        if durable {
+            st.last_durable = epoch;
+        }
+        // Audit data derived from durable writes not yet durable depends on them; derived
+        // from durable state only, on nothing (round 0 is always resolved).
+        let needs = if durable || st.last_durable > st.resolved {
+            st.last_durable
+        } else {
+            0
+        };
         st.open_writes += batch.ops.len();
         for op in batch.ops {
             let (key, value) = match op {
                 Op::Put(k, v) => (k, Some(v)),
                 Op::Delete(k) => (k, None),
             };
-            st.overlay.insert(key, Staged { value, epoch });
+            st.overlay.insert(
+                key,
+                Staged {
+                    value,
+                    epoch,
+                    needs,
+                },
+            );
         }
         Ok(epoch)
     }
@@ -691,6 +721,42 @@ mod tests {
         // Nothing left: a flush commits nothing.
         p.flush(commit).unwrap();
         assert!(rounds.try_recv().is_err());
+    }
+
+    /// A replay's counters are audit data: a later call that reads them must not wait for a
+    /// sync because of them, only for the durable writes they may have been derived from.
+    #[test]
+    fn reading_audit_data_waits_only_for_durable_writes_staged_before_it() {
+        let p = Pipeline::new();
+        let (rig, rounds, results) = Rig::new();
+        p.write_unsynced(put(1)).unwrap();
+        let (value, seen) = p.get(&[1]).unwrap();
+        assert_eq!(value, Some(vec![1]));
+        assert_eq!(
+            seen.epoch, 0,
+            "derived from durable state only: depends on nothing"
+        );
+        p.depend(seen, &rig).unwrap();
+        assert!(rounds.try_recv().is_err(), "nothing was committed for it");
+        p.deferred_then(
+            Box::new(|| {
+                p.write(put(2), &rig).unwrap();
+                p.write_unsynced(put(3)).unwrap();
+                let durable = p.get(&[2]).unwrap().1;
+                let audit = p.get(&[3]).unwrap().1;
+                assert!(durable.epoch > 0);
+                assert_eq!(audit.epoch, durable.epoch);
+                results.send(Ok(())).unwrap();
+                Box::new(|r| assert!(r.is_ok()))
+            }),
+            &rig,
+        );
+        // The section's round carried the audit data staged before it too.
+        assert_eq!(
+            rounds.recv().unwrap(),
+            vec![(1, Some(1)), (2, Some(2)), (3, Some(3))]
+        );
+        assert!(p.settled());
     }
 
     #[test]
