@@ -15,6 +15,9 @@
 //! section the read waits for the round; inside one ([`Pipeline::deferred_then`]) the
 //! section's answer waits for the latest round it wrote to or read from. Rounds are committed
 //! in order, so waiting for one round covers every earlier one, and no wait can form a cycle.
+//! Audit data ([`Pipeline::write_unsynced`]: a replay's counters) is committed with the next
+//! round someone needs, and a reader of it depends only on the durable writes staged before
+//! it, never on the audit write itself.
 //!
 //! A failed commit poisons everything staged and not yet durable: the overlay is dropped, the
 //! open round with it, and every waiter is answered with the error. The *generation* is
