@@ -1189,19 +1189,21 @@ pub(super) fn new_run(tenant: &str, run_id: &str, now: u64) -> RunRecord {
 /// The downstream idempotency key: from the effect's identity, never from the attempt.
 fn downstream_key(call: &Call<'_>, occurrence: u32) -> String {
     static CONTEXT: keys::DeriveKey = keys::DeriveKey::new("fence.v1 downstream key");
-    let mut h = CONTEXT.hasher();
-    for part in [
-        call.tenant.as_bytes(),
-        call.cmd.run_id.as_bytes(),
-        call.branch().name.as_bytes(),
-        call.cmd.step_key.as_bytes(),
-        &call.fp()[..],
-    ] {
-        h.update(&(part.len() as u64).to_be_bytes());
-        h.update(part);
-    }
-    h.update(&occurrence.to_be_bytes());
-    format!("fence-{}", codec::hex(&h.finalize().as_bytes()[..16]))
+    let hash = keys::hash_parts(
+        &CONTEXT,
+        &[
+            call.tenant.as_bytes(),
+            call.cmd.run_id.as_bytes(),
+            call.branch().name.as_bytes(),
+            call.cmd.step_key.as_bytes(),
+            &call.fp()[..],
+        ],
+        &occurrence.to_be_bytes(),
+    );
+    let mut key = [0u8; 6 + 32];
+    key[..6].copy_from_slice(b"fence-");
+    codec::hex_into(&hash.as_bytes()[..16], &mut key[6..]);
+    String::from_utf8(key.to_vec()).expect("hex digits are ASCII")
 }
 
 fn expired(view: EffectRecord) -> Refusal {
