@@ -43,6 +43,16 @@ pub enum Op {
     Delete(Vec<u8>),
 }
 
+impl Op {
+    /// The key and the value it sets (`None`: the key is removed).
+    pub fn write(&self) -> (&[u8], Option<&[u8]>) {
+        match self {
+            Op::Put(k, v) => (k, Some(v)),
+            Op::Delete(k) => (k, None),
+        }
+    }
+}
+
 /// The writes of one transition, applied atomically.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Batch {

@@ -234,7 +234,7 @@ impl Pipeline {
         }
         match self.section() {
             Some(mut section) => {
-                let epoch = self.stage(batch, Some(section.generation), true)?;
+                let epoch = self.stage_checked(batch, Some(section.generation), true)?;
                 section.needed = section.needed.max(epoch);
                 self.set_section(section);
                 Ok(())
@@ -246,16 +246,8 @@ impl Pipeline {
                     // visible once durable, as it must be before this returns).
                     st.committing = true;
                     drop(st);
-                    let result = catch_unwind(AssertUnwindSafe(|| {
-                        let mut writes = batch.ops.iter().map(|op| match op {
-                            Op::Put(k, v) => (k.as_slice(), Some(v.as_slice())),
-                            Op::Delete(k) => (k.as_slice(), None),
-                        });
-                        commit.round(&mut writes).and_then(|write| write())
-                    }))
-                    .unwrap_or_else(|_| {
-                        Err(StoreError::Engine("the engine write panicked".into()))
-                    });
+                    let result = guarded(|| commit.round(&mut batch.ops.iter().map(Op::write)))
+                        .and_then(guarded);
                     // A failure poisons nothing: nothing was staged on top of a write that
                     // was never visible.
                     let mut st = self.state();
@@ -265,8 +257,8 @@ impl Pipeline {
                     return result;
                 }
                 let generation = st.generation;
+                let epoch = stage(&mut st, batch, true);
                 drop(st);
-                let epoch = self.stage(batch, Some(generation), true)?;
                 self.wait_durable(epoch, generation, commit)
             }
         }
@@ -278,12 +270,11 @@ impl Pipeline {
             return Ok(());
         }
         let generation = self.section().map(|s| s.generation);
-        self.stage(batch, generation, false).map(|_| ())
+        self.stage_checked(batch, generation, false).map(|_| ())
     }
 
-    /// Appends `batch` to the open round and the overlay; its epoch. `generation`: refused if
-    /// a commit failed since then. `durable`: an answer will depend on it (not audit data).
-    fn stage(
+    /// [`stage`], refused if a commit failed since `generation`.
+    fn stage_checked(
         &self,
         batch: Batch,
         generation: Option<u64>,
@@ -293,33 +284,7 @@ impl Pipeline {
         if generation.is_some_and(|g| g != st.generation) {
             return Err(poisoned());
         }
-        let epoch = st.open_epoch;
-        if durable {
-            st.last_durable = epoch;
-        }
-        // Audit data derived from durable writes not yet durable depends on them; derived
-        // from durable state only, on nothing (round 0 is always resolved).
-        let needs = if durable || st.last_durable > st.resolved {
-            st.last_durable
-        } else {
-            0
-        };
-        st.open_writes += batch.ops.len();
-        for op in batch.ops {
-            let (key, value) = match op {
-                Op::Put(k, v) => (k, Some(v)),
-                Op::Delete(k) => (k, None),
-            };
-            st.overlay.insert(
-                key,
-                Staged {
-                    value,
-                    epoch,
-                    needs,
-                },
-            );
-        }
-        Ok(epoch)
+        Ok(stage(&mut st, batch, durable))
     }
 
     /// Runs `f` as a section (its writes staged, its answer deferred) and hands the
@@ -421,22 +386,18 @@ impl Pipeline {
             let epoch = st.open_epoch;
             st.open_epoch += 1;
             st.open_writes = 0;
-            // Copied while staging waits; an engine that panics fails the round, and never
-            // leaves the pipeline committing for good.
-            let round = catch_unwind(AssertUnwindSafe(|| {
-                let mut writes = st
-                    .overlay
-                    .iter()
-                    .filter(|(_, s)| s.epoch == epoch)
-                    .map(|(k, s)| (k.as_slice(), s.value.as_deref()));
-                commit.round(&mut writes)
-            }))
-            .unwrap_or_else(|_| Err(StoreError::Engine("the engine batch panicked".into())));
-            drop(st);
-            let result = round.and_then(|write| {
-                catch_unwind(AssertUnwindSafe(write))
-                    .unwrap_or_else(|_| Err(StoreError::Engine("the engine write panicked".into())))
+            // Copied while staging waits.
+            let round = guarded(|| {
+                commit.round(
+                    &mut st
+                        .overlay
+                        .iter()
+                        .filter(|(_, s)| s.epoch == epoch)
+                        .map(|(k, s)| (k.as_slice(), s.value.as_deref())),
+                )
             });
+            drop(st);
+            let result = round.and_then(guarded);
             st = self.state();
             st.committing = false;
             let (ready, result) = match result {
@@ -483,6 +444,45 @@ impl Pipeline {
         let st = self.state();
         st.overlay.is_empty() && st.open_writes == 0
     }
+}
+
+/// Appends `batch` to the open round and the overlay; its epoch. `durable`: an answer will
+/// depend on it (not audit data).
+fn stage(st: &mut State, batch: Batch, durable: bool) -> u64 {
+    let epoch = st.open_epoch;
+    if durable {
+        st.last_durable = epoch;
+    }
+    // Audit data derived from durable writes not yet durable depends on them; derived
+    // from durable state only, on nothing (round 0 is always resolved).
+    let needs = if durable || st.last_durable > st.resolved {
+        st.last_durable
+    } else {
+        0
+    };
+    st.open_writes += batch.ops.len();
+    for op in batch.ops {
+        let (key, value) = match op {
+            Op::Put(k, v) => (k, Some(v)),
+            Op::Delete(k) => (k, None),
+        };
+        st.overlay.insert(
+            key,
+            Staged {
+                value,
+                epoch,
+                needs,
+            },
+        );
+    }
+    epoch
+}
+
+/// Calls into the engine: a panic there fails the round like an error, and never leaves the
+/// pipeline committing for good.
+fn guarded<T>(f: impl FnOnce() -> Result<T, StoreError>) -> Result<T, StoreError> {
+    catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err(StoreError::Engine("the storage engine panicked".into())))
 }
 
 /// Calls each continuation with a round's result.
@@ -618,6 +618,26 @@ mod tests {
         }
     }
 
+    /// Spawns a section that writes `key` and commits its round itself (waiting in the rig);
+    /// its result goes to `done`.
+    fn spawn_section_writing<'scope, 'env: 'scope>(
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        p: &'env Pipeline,
+        commit: &'env Rig,
+        key: u8,
+        done: mpsc::Sender<Result<(), StoreError>>,
+    ) {
+        scope.spawn(move || {
+            p.deferred_then(
+                Box::new(move || {
+                    p.write(put(key), commit).unwrap();
+                    Box::new(move |r| done.send(r).unwrap())
+                }),
+                commit,
+            )
+        });
+    }
+
     #[test]
     fn a_failed_commit_fails_everything_decided_after_it_and_nothing_of_it_is_written() {
         let p = Pipeline::new();
@@ -626,15 +646,7 @@ mod tests {
         let (first_tx, first) = mpsc::channel();
         std::thread::scope(|scope| {
             // Section 1 writes key 1 and commits its round itself, waiting for the test.
-            scope.spawn(|| {
-                p.deferred_then(
-                    Box::new(|| {
-                        p.write(put(1), commit).unwrap();
-                        Box::new(move |r| first_tx.send(r).unwrap())
-                    }),
-                    commit,
-                )
-            });
+            spawn_section_writing(scope, &p, commit, 1, first_tx);
             assert_eq!(rounds.recv().unwrap(), vec![(1, Some(1))]);
             // Section 2 decides from key 1 (not yet durable) and writes key 2; then key 1's
             // round fails.
@@ -678,15 +690,7 @@ mod tests {
         let commit = &rig;
         let (done_tx, done) = mpsc::channel();
         std::thread::scope(|scope| {
-            scope.spawn(|| {
-                p.deferred_then(
-                    Box::new(|| {
-                        p.write(put(1), commit).unwrap();
-                        Box::new(move |r| done_tx.send(r).unwrap())
-                    }),
-                    commit,
-                )
-            });
+            spawn_section_writing(scope, &p, commit, 1, done_tx);
             assert_eq!(rounds.recv().unwrap(), vec![(1, Some(1))]);
             let reader = scope.spawn(|| {
                 let (value, seen) = p.get(&[1]).expect("staged until committed");

@@ -390,11 +390,7 @@ impl Engine {
 
     /// Writes `ops` as one atomic RocksDB batch (a bulk load's, unsynced).
     fn write_ops(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
-        let mut writes = ops.iter().map(|op| match op {
-            Op::Put(k, v) => (k.as_slice(), Some(v.as_slice())),
-            Op::Delete(k) => (k.as_slice(), None),
-        });
-        let batch = self.batch(&mut writes)?;
+        let batch = self.batch(&mut ops.iter().map(Op::write))?;
         self.write_batch(batch, sync)
     }
 
