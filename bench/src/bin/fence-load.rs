@@ -480,7 +480,7 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     let batch = common.batch.max(1) as u64;
     let mut measured = Vec::new();
     println!(
-        "\n| concurrency | effects | effects/s | p50 ms | p99 ms | fenced CPU s (user + sys) | fenced CPU us per effect |\n|---:|---:|---:|---:|---:|---:|---:|"
+        "\n| concurrency | effects | effects/s | p50 ms | p99 ms | fenced CPU s (user + sys) | fenced CPU us per effect | load generator CPU us per effect |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for &c in &common.concurrency {
         let c = c.max(1);
@@ -488,11 +488,13 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
         let warm = load::Budget::Turns(turns(1000));
         load::run_loop(&target, &format!("cost-warm-c{c}"), c, common.batch, warm).await?;
         let before = load::process_cpu(fenced.pid())?;
+        let own_before = load::process_cpu(std::process::id())?;
         let budget = load::Budget::Turns(turns(effects));
         let m = load::run_loop(&target, &format!("cost-c{c}"), c, common.batch, budget).await?;
         let cpu = load::process_cpu(fenced.pid())? - before;
+        let own = load::process_cpu(std::process::id())? - own_before;
         println!(
-            "| {c} | {} | {:.0} | {:.3} | {:.3} | {:.2} ({:.2} + {:.2}) | {:.0} |",
+            "| {c} | {} | {:.0} | {:.3} | {:.3} | {:.2} ({:.2} + {:.2}) | {:.0} | {:.0} |",
             m.ops,
             m.throughput(),
             m.p50(),
@@ -500,7 +502,8 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
             cpu.total().as_secs_f64(),
             cpu.user.as_secs_f64(),
             cpu.system.as_secs_f64(),
-            cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64
+            cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64,
+            own.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64
         );
         measured.push((c, m.throughput()));
     }

@@ -99,6 +99,10 @@ pub fn hash_parts(context: &DeriveKey, parts: &[&[u8]], tail: &[u8]) -> blake3::
     h.finalize()
 }
 
+/// Bytes of the prefix every key under one run starts with (`kind || run_key`). Keys of other
+/// kinds (tenant, tool, credential, expiry) also start with a kind and 16 bytes.
+pub const RUN_PREFIX_LEN: usize = 1 + 16;
+
 /// The run key of `(tenant, run_id)`.
 pub fn run_key(tenant: &str, run_id: &str) -> RunKey {
     hash16(&RUN_KEY, &[tenant.as_bytes(), run_id.as_bytes()])
