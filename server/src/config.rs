@@ -96,6 +96,11 @@ pub struct Config {
     #[arg(long, env = "FENCE_MAX_SESSION_IN_FLIGHT", default_value_t = 256)]
     pub max_session_in_flight: usize,
 
+    /// Runs whose decoded record is kept between their decisions (about a kilobyte each); 0
+    /// turns the cache off. The cache is emptied when it is full.
+    #[arg(long, env = "FENCE_CACHED_RUNS", default_value_t = 65_536)]
+    pub cached_runs: usize,
+
     /// RocksDB block cache, in MiB.
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,

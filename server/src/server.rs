@@ -139,6 +139,7 @@ pub fn open_ledger_with(
             max_effects_per_run: config.max_effects_per_run,
             max_batch_calls: config.max_batch_calls.max(1),
             max_page_bytes: config.max_page_bytes.max(1),
+            max_cached_runs: config.cached_runs,
             ..Limits::default()
         },
         ..LedgerConfig::default()

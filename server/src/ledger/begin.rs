@@ -247,7 +247,7 @@ impl<S: Store> Ledger<S> {
         let rk = prepared.rk;
         let _run_guard = self.runs.lock(&rk);
         let now = self.now();
-        let (run, new) = match self.load_run(&rk, tenant, &cmd.run_id)? {
+        let (run, new) = match self.take_run(&rk, tenant, &cmd.run_id)? {
             Some(run) => (run, false),
             None if cmd.epoch <= 1 && (cmd.branch.is_empty() || cmd.branch == MAIN_BRANCH) => {
                 (new_run(tenant, &cmd.run_id, now), true)
@@ -944,9 +944,9 @@ impl<S: Store> Ledger<S> {
             batch.put(keys::effect(&call.rk, rec.seq), codec::encode(&rec));
         }
         if durable {
-            self.store.write(batch)?;
+            self.commit(batch)?;
         } else if counted {
-            self.store.write_unsynced(batch)?;
+            self.commit_unsynced(batch)?;
         }
         Ok(decision)
     }
@@ -1120,7 +1120,7 @@ impl<S: Store> Ledger<S> {
         if call.new {
             super::runs::index_new_run(&mut batch, call.tenant, &call.cmd.run_id);
         }
-        self.store.write(batch)?;
+        self.commit_run(batch, call.rk, call.run)?;
         Ok(Decision::Execute {
             receipt: Box::new(rec),
             recorded: true,

@@ -88,7 +88,7 @@ impl<S: Store> Ledger<S> {
         };
         let mut batch = Batch::new();
         batch.put(key, codec::encode(&record));
-        self.store.write(batch)?;
+        self.commit(batch)?;
         Ok((record, true))
     }
 

@@ -39,7 +39,7 @@ impl<S: Store> Ledger<S> {
                 }
             }
             batch.delete(key);
-            self.store.write(batch)?;
+            self.commit(batch)?;
             processed += 1;
         }
         Ok(processed)

@@ -90,7 +90,7 @@ impl<S: Store> Ledger<S> {
                 written_by: env!("CARGO_PKG_VERSION").to_owned(),
             }),
         );
-        self.store.write(batch)?;
+        self.commit(batch)?;
         if let FormatCheck::Migrated { from } = check {
             tracing::warn!(
                 from,
@@ -136,7 +136,7 @@ impl<S: Store> Ledger<S> {
                 each(&mut batch, k, v)?;
             }
             if !batch.is_empty() {
-                self.store.write(batch)?;
+                self.commit(batch)?;
             }
             Ok(std::ops::ControlFlow::Continue(()))
         })

@@ -18,6 +18,7 @@ pub mod format;
 pub mod messages;
 pub mod outcome;
 pub mod records;
+mod run_cache;
 pub mod runs;
 pub mod tools;
 pub mod types;
@@ -70,6 +71,8 @@ pub struct Limits {
     pub max_page_bytes: usize,
     /// Tool versions (and, separately, current versions) kept parsed in memory.
     pub max_cached_tools: usize,
+    /// Runs whose decoded record is kept between their decisions (0: none).
+    pub max_cached_runs: usize,
 }
 
 impl Default for Limits {
@@ -90,6 +93,7 @@ impl Default for Limits {
             max_batch_calls: 128,
             max_page_bytes: 1 << 20,
             max_cached_tools: 10_000,
+            max_cached_runs: 65_536,
         }
     }
 }
@@ -170,6 +174,8 @@ pub struct Ledger<S> {
     credentials: Stripes,
     /// Parsed tool versions and current versions.
     tools: tools::ToolCache,
+    /// Decoded run records between a run's Begins.
+    run_cache: run_cache::RunCache,
 }
 
 impl<S: Store> Ledger<S> {
@@ -179,6 +185,7 @@ impl<S: Store> Ledger<S> {
             store,
             clock,
             tools: tools::ToolCache::new(config.limits.max_cached_tools),
+            run_cache: run_cache::RunCache::new(config.limits.max_cached_runs),
             config,
             runs: Stripes::new(4096),
             credentials: Stripes::new(1024),
@@ -264,6 +271,52 @@ impl<S: Store> Ledger<S> {
             Some(bytes) => Ok(Some(codec::decode(key, &bytes)?)),
             None => Ok(None),
         }
+    }
+
+    /// Writes `batch` durably: every ledger write goes through here (or
+    /// [`Ledger::commit_unsynced`]), so that the run cache forgets a run whose record is
+    /// being written before it is.
+    fn commit(&self, batch: Batch) -> Result<()> {
+        self.forget_runs_in(&batch);
+        Ok(self.store.write(batch)?)
+    }
+
+    /// [`Store::write_unsynced`] through the run cache (see [`Ledger::commit`]).
+    fn commit_unsynced(&self, batch: Batch) -> Result<()> {
+        self.forget_runs_in(&batch);
+        Ok(self.store.write_unsynced(batch)?)
+    }
+
+    fn forget_runs_in(&self, batch: &Batch) {
+        for op in batch.ops() {
+            if let Some(rk) = keys::decode_run(op.write().0) {
+                self.run_cache.forget(&rk);
+            }
+        }
+    }
+
+    /// Loads a run for a decision that holds its lock and will write it: from the run cache
+    /// when it holds the run durably, else as [`Ledger::load_run`] does. The cached copy is
+    /// taken out; [`Ledger::keep_run`] puts back what the decision wrote.
+    fn take_run(&self, rk: &RunKey, tenant: &str, run_id: &str) -> Result<Option<RunRecord>> {
+        match self.run_cache.take(rk, self.store.durability()) {
+            Some(run) => Ok(Some(run).filter(|r| r.tenant == tenant && r.run_id == run_id)),
+            None => self.load_run(rk, tenant, run_id),
+        }
+    }
+
+    /// Writes `batch`, which holds `run` as the record of `rk`, and keeps `run` in the run
+    /// cache, stamped with the store's durability before and after the write.
+    fn commit_run(&self, batch: Batch, rk: RunKey, run: RunRecord) -> Result<()> {
+        let before = self.store.durability();
+        self.commit(batch)?;
+        let after = self.store.durability();
+        let stamp = crate::store::Durability {
+            open_epoch: after.open_epoch,
+            ..before
+        };
+        self.run_cache.put(rk, stamp, run);
+        Ok(())
     }
 
     /// Writes `rec` and keeps the open-effect index in step with its state.

@@ -172,7 +172,7 @@ impl<S: Store> Ledger<S> {
         rec.updated_at_ms = now;
         let mut batch = Batch::new();
         self.put_effect(&mut batch, &id.run_key, &rec);
-        self.store.write(batch)?;
+        self.commit(batch)?;
         Ok(rec)
     }
 
@@ -295,7 +295,7 @@ impl<S: Store> Ledger<S> {
             },
         }
         self.put_effect(&mut batch, &id.run_key, &rec);
-        self.store.write(batch)?;
+        self.commit(batch)?;
         Ok(rec.into_view(now))
     }
 
@@ -405,7 +405,7 @@ impl<S: Store> Ledger<S> {
             self.mark_compensated(&mut batch, &id.run_key, &rec, now)?;
         }
         self.put_effect(&mut batch, &id.run_key, &rec);
-        self.store.write(batch)?;
+        self.commit(batch)?;
         Ok(rec.into_view(now))
     }
 

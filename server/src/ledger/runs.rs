@@ -123,7 +123,7 @@ impl<S: Store> Ledger<S> {
                 let mut batch = Batch::new();
                 batch.put(keys::run(&rk), codec::encode(&run));
                 index_new_run(&mut batch, tenant, run_id);
-                self.store.write(batch)?;
+                self.commit(batch)?;
                 true
             }
         };
@@ -298,7 +298,7 @@ impl<S: Store> Ledger<S> {
         if created {
             index_new_run(&mut batch, tenant, &cmd.run_id);
         }
-        self.store.write(batch)?;
+        self.commit(batch)?;
         Ok((record, true))
     }
 
@@ -392,7 +392,7 @@ impl<S: Store> Ledger<S> {
         let mut batch = Batch::new();
         batch.put(keys::restore(&rk, run.epoch), codec::encode(&event));
         batch.put(keys::run(&rk), codec::encode(&run));
-        self.store.write(batch)?;
+        self.commit(batch)?;
         Ok(Restored {
             epoch: run.epoch,
             branch: branch_name,
@@ -618,7 +618,7 @@ impl<S: Store> Ledger<S> {
         }
         run.branches.push(branch.clone());
         batch.put(keys::run(&rk), codec::encode(&run));
-        self.store.write(batch)?;
+        self.commit(batch)?;
         Ok(Forked {
             branch,
             carried: carried.into_iter().map(|(r, _)| r.into_view(now)).collect(),

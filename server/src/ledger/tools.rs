@@ -218,7 +218,7 @@ impl<S: Store> Ledger<S> {
                 version: record.version,
             }),
         );
-        self.store.write(batch)?;
+        self.commit(batch)?;
         // The version first, then the head that points at it: the next call finds both
         // cached (and can be prepared under it; see `Ledger::prepare_begin`).
         self.tools.set_version(

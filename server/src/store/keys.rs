@@ -158,6 +158,14 @@ pub fn effect_prefix(rk: &RunKey) -> Vec<u8> {
     KeyBuf::new(Kind::Effect, 16).bytes(rk).0
 }
 
+/// The run key of a run record's key.
+pub fn decode_run(key: &[u8]) -> Option<RunKey> {
+    if key.len() != RUN_PREFIX_LEN || key[0] != Kind::Run as u8 {
+        return None;
+    }
+    key[1..].try_into().ok()
+}
+
 /// The sequence number of an effect key.
 pub fn decode_effect(key: &[u8]) -> Option<(RunKey, u64)> {
     if key.len() != 25 || key[0] != Kind::Effect as u8 {

@@ -93,6 +93,34 @@ pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 /// the sync's result, `Err` when nothing the section computed may be acknowledged.
 pub type Then = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
+/// Where a store's writes stand, for caches of what was written ([`Store::durability`]):
+/// anything written while `generation` stays the same, in a round up to `durable_through`, is
+/// durable; `open_epoch` is the round a write made now is staged in at the latest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Durability {
+    /// Bumped whenever a round fails: what was staged before it may be lost.
+    pub generation: u64,
+    /// Every round up to this one is resolved.
+    pub durable_through: u64,
+    /// The round writes are staged in now.
+    pub open_epoch: u64,
+}
+
+impl Durability {
+    /// A store whose writes are durable when they return (nothing is staged).
+    pub const IMMEDIATE: Durability = Durability {
+        generation: 0,
+        durable_through: u64::MAX,
+        open_epoch: 0,
+    };
+
+    /// Is a write stamped `stamp` (the generation before it, the open round after it) durable
+    /// now, and nothing failed since it was made?
+    pub fn covers(&self, stamp: Durability) -> bool {
+        self.generation == stamp.generation && self.durable_through >= stamp.open_epoch
+    }
+}
+
 /// A key-value store with atomic durable batches: what the ledger needs from storage.
 ///
 /// Contract: `write` returns only after the whole batch is durable (on RocksDB: WAL fsynced);
@@ -145,5 +173,14 @@ pub trait Store: Send + Sync + 'static {
     /// never a durable write). Reads see it at once. The default writes durably.
     fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
         self.write(batch)
+    }
+
+    /// Where the store's writes stand. A cache of written values stamps each with the
+    /// generation read before the write and the open round read after it, and uses it only
+    /// while [`Durability::covers`] the stamp: a value whose round is not durable yet must be
+    /// read from the store, which makes the reader's answer wait for that round. The default
+    /// is a store whose writes are durable when they return.
+    fn durability(&self) -> Durability {
+        Durability::IMMEDIATE
     }
 }

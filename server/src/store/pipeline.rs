@@ -178,6 +178,16 @@ impl Pipeline {
         SECTION.set(Some(section));
     }
 
+    /// Where the rounds stand (see [`super::Store::durability`]).
+    pub(crate) fn durability(&self) -> super::Durability {
+        let st = self.state();
+        super::Durability {
+            generation: st.generation,
+            durable_through: st.resolved,
+            open_epoch: st.open_epoch,
+        }
+    }
+
     /// The staged value of `key`, if it has one (`Some(None)`: staged as deleted).
     pub(crate) fn get(&self, key: &[u8]) -> Option<(Option<Vec<u8>>, Seen)> {
         let st = self.state();

@@ -547,6 +547,13 @@ impl Store for RocksStore {
         self.engine.pipeline.deferred(f, self.engine.as_ref())
     }
 
+    fn durability(&self) -> super::Durability {
+        if !self.engine.opts.sync_writes {
+            return super::Durability::IMMEDIATE;
+        }
+        self.engine.pipeline.durability()
+    }
+
     fn deferred_then(&self, f: Box<dyn FnOnce() -> Then + '_>) {
         if !self.engine.opts.sync_writes {
             let then = f();
