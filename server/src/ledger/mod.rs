@@ -297,7 +297,7 @@ impl<S: Store> Ledger<S> {
 
     /// Loads a run for a decision that holds its lock and will write it: from the run cache
     /// when it holds the run durably, else as [`Ledger::load_run`] does. The cached copy is
-    /// taken out; [`Ledger::keep_run`] puts back what the decision wrote.
+    /// taken out; [`Ledger::commit_run`] puts back what the decision wrote.
     fn take_run(&self, rk: &RunKey, tenant: &str, run_id: &str) -> Result<Option<RunRecord>> {
         match self.run_cache.take(rk, self.store.durability()) {
             Some(run) => Ok(Some(run).filter(|r| r.tenant == tenant && r.run_id == run_id)),

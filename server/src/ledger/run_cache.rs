@@ -139,6 +139,61 @@ mod tests {
         assert_eq!(cache.take(&rk, Durability::IMMEDIATE).unwrap().next_seq, 5);
     }
 
+    /// Through a ledger: each Begin keeps exactly the record it wrote (equal to the stored
+    /// one), and a write of the run by another path (a checkpoint) forgets it.
+    #[test]
+    fn a_ledger_keeps_the_record_it_wrote_and_forgets_it_when_another_write_changes_it() {
+        use crate::clock::SystemClock;
+        use crate::ledger::runs::CheckpointCmd;
+        use crate::ledger::{BeginCmd, Decision, Ledger, LedgerConfig, OpClass, ToolDef};
+        use crate::store::{MemStore, Store, codec, keys};
+
+        let ledger = Ledger::new(
+            MemStore::new(),
+            std::sync::Arc::new(SystemClock),
+            LedgerConfig::default(),
+        );
+        let tool = ToolDef {
+            name: "pay".into(),
+            class: OpClass::NonRetryable.code(),
+            ..Default::default()
+        };
+        ledger.register_tool("t", tool).unwrap();
+        let rk = keys::run_key("t", "r");
+        let stored = || {
+            let bytes = ledger.store().get(&keys::run(&rk)).unwrap().unwrap();
+            codec::decode::<RunRecord>(&keys::run(&rk), &bytes).unwrap()
+        };
+        for n in 0..3u64 {
+            let cmd = BeginCmd {
+                run_id: "r".into(),
+                tool: "pay".into(),
+                step_key: format!("s{n}"),
+                arguments_json: format!("{{\"n\":{n}}}"),
+                ..Default::default()
+            };
+            let begun = ledger.begin("t", &cmd).unwrap();
+            assert!(matches!(begun.decision, Decision::Execute { .. }));
+            let cached = ledger
+                .run_cache
+                .take(&rk, Durability::IMMEDIATE)
+                .expect("the Begin kept the record it wrote");
+            assert_eq!(cached, stored());
+            assert_eq!(cached.next_seq, n + 2);
+            ledger.run_cache.put(rk, Durability::IMMEDIATE, cached);
+        }
+        let checkpoint = CheckpointCmd {
+            run_id: "r".into(),
+            checkpoint_id: "cp".into(),
+            ..Default::default()
+        };
+        ledger.checkpoint("t", &checkpoint).unwrap();
+        assert!(
+            ledger.run_cache.take(&rk, Durability::IMMEDIATE).is_none(),
+            "the checkpoint's write of the run forgot the cached record"
+        );
+    }
+
     #[test]
     fn the_cache_holds_at_most_its_capacity_and_none_at_zero() {
         let cache = RunCache::new(3);
