@@ -101,6 +101,11 @@ pub struct Config {
     #[arg(long, env = "FENCE_CACHED_RUNS", default_value_t = 65_536)]
     pub cached_runs: usize,
 
+    /// Effects just begun whose decoded record is kept for their Complete (at most 4 KiB
+    /// each); 0 turns the cache off. The cache is emptied when it is full.
+    #[arg(long, env = "FENCE_CACHED_EFFECTS", default_value_t = 16_384)]
+    pub cached_effects: usize,
+
     /// RocksDB block cache, in MiB.
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,

@@ -140,6 +140,7 @@ pub fn open_ledger_with(
             max_batch_calls: config.max_batch_calls.max(1),
             max_page_bytes: config.max_page_bytes.max(1),
             max_cached_runs: config.cached_runs,
+            max_cached_effects: config.cached_effects,
             ..Limits::default()
         },
         ..LedgerConfig::default()

@@ -1120,7 +1120,7 @@ impl<S: Store> Ledger<S> {
         if call.new {
             super::runs::index_new_run(&mut batch, call.tenant, &call.cmd.run_id);
         }
-        self.commit_run(batch, call.rk, call.run)?;
+        self.commit_run(batch, call.rk, call.run, &rec)?;
         Ok(Decision::Execute {
             receipt: Box::new(rec),
             recorded: true,

@@ -12,13 +12,13 @@
 
 pub mod batch;
 pub mod begin;
+mod cache;
 pub mod credentials;
 pub mod expiry;
 pub mod format;
 pub mod messages;
 pub mod outcome;
 pub mod records;
-mod run_cache;
 pub mod runs;
 pub mod tools;
 pub mod types;
@@ -73,7 +73,14 @@ pub struct Limits {
     pub max_cached_tools: usize,
     /// Runs whose decoded record is kept between their decisions (0: none).
     pub max_cached_runs: usize,
+    /// Effects just begun whose decoded record is kept for their Complete (0: none); records
+    /// over [`MAX_CACHED_EFFECT_BYTES`] are not kept.
+    pub max_cached_effects: usize,
 }
+
+/// The largest effect record (encoded) the effect cache keeps: with
+/// [`Limits::max_cached_effects`], this bounds the cache's memory (64 MiB at the default).
+pub const MAX_CACHED_EFFECT_BYTES: usize = 4096;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -94,6 +101,7 @@ impl Default for Limits {
             max_page_bytes: 1 << 20,
             max_cached_tools: 10_000,
             max_cached_runs: 65_536,
+            max_cached_effects: 16_384,
         }
     }
 }
@@ -175,7 +183,9 @@ pub struct Ledger<S> {
     /// Parsed tool versions and current versions.
     tools: tools::ToolCache,
     /// Decoded run records between a run's Begins.
-    run_cache: run_cache::RunCache,
+    run_cache: cache::RecordCache<RunKey, RunRecord>,
+    /// Decoded records of effects just begun, for their Complete.
+    effect_cache: cache::RecordCache<(RunKey, u64), EffectRecord>,
 }
 
 impl<S: Store> Ledger<S> {
@@ -185,7 +195,8 @@ impl<S: Store> Ledger<S> {
             store,
             clock,
             tools: tools::ToolCache::new(config.limits.max_cached_tools),
-            run_cache: run_cache::RunCache::new(config.limits.max_cached_runs),
+            run_cache: cache::RecordCache::new(config.limits.max_cached_runs),
+            effect_cache: cache::RecordCache::new(config.limits.max_cached_effects),
             config,
             runs: Stripes::new(4096),
             credentials: Stripes::new(1024),
@@ -275,22 +286,25 @@ impl<S: Store> Ledger<S> {
 
     /// Writes `batch` durably: every ledger write goes through here (or
     /// [`Ledger::commit_unsynced`]), so that the run cache forgets a run whose record is
-    /// being written before it is.
+    /// being written before it is (and the effect cache an effect).
     fn commit(&self, batch: Batch) -> Result<()> {
-        self.forget_runs_in(&batch);
+        self.forget_cached_in(&batch);
         Ok(self.store.write(batch)?)
     }
 
     /// [`Store::write_unsynced`] through the run cache (see [`Ledger::commit`]).
     fn commit_unsynced(&self, batch: Batch) -> Result<()> {
-        self.forget_runs_in(&batch);
+        self.forget_cached_in(&batch);
         Ok(self.store.write_unsynced(batch)?)
     }
 
-    fn forget_runs_in(&self, batch: &Batch) {
+    fn forget_cached_in(&self, batch: &Batch) {
         for op in batch.ops() {
-            if let Some(rk) = keys::decode_run(op.write().0) {
+            let key = op.write().0;
+            if let Some(rk) = keys::decode_run(key) {
                 self.run_cache.forget(&rk);
+            } else if let Some(id) = keys::decode_effect(key) {
+                self.effect_cache.forget(&id);
             }
         }
     }
@@ -305,9 +319,16 @@ impl<S: Store> Ledger<S> {
         }
     }
 
-    /// Writes `batch`, which holds `run` as the record of `rk`, and keeps `run` in the run
-    /// cache, stamped with the store's durability before and after the write.
-    fn commit_run(&self, batch: Batch, rk: RunKey, run: RunRecord) -> Result<()> {
+    /// Writes `batch`, which holds `run` as the record of `rk` and `effect` as the record of
+    /// one of its effects, and keeps both in the caches, stamped with the store's durability
+    /// before and after the write.
+    fn commit_run(
+        &self,
+        batch: Batch,
+        rk: RunKey,
+        run: RunRecord,
+        effect: &EffectRecord,
+    ) -> Result<()> {
         let before = self.store.durability();
         self.commit(batch)?;
         let after = self.store.durability();
@@ -316,7 +337,29 @@ impl<S: Store> Ledger<S> {
             ..before
         };
         self.run_cache.put(rk, stamp, run);
+        if self.config.limits.max_cached_effects > 0
+            && effect.encoded_len() <= MAX_CACHED_EFFECT_BYTES
+        {
+            self.effect_cache
+                .put((rk, effect.seq), stamp, effect.clone());
+        }
         Ok(())
+    }
+
+    /// Loads an effect for a decision that holds its run's lock and will write it: from the
+    /// effect cache when it holds the effect durably, else as [`Ledger::require_effect`]
+    /// does. The cached copy is taken out.
+    fn take_effect(&self, id: &EffectId, tenant: &str) -> Result<EffectRecord> {
+        // A cached record was put under the run key its own tenant and run id derive, so the
+        // tenant is the only thing left to check.
+        match self
+            .effect_cache
+            .take(&(id.run_key, id.seq), self.store.durability())
+        {
+            Some(rec) if rec.tenant == tenant => Ok(rec),
+            Some(_) => Err(unknown_effect(&id.to_string()).into()),
+            None => self.require_effect(id, tenant),
+        }
     }
 
     /// Writes `rec` and keeps the open-effect index in step with its state.

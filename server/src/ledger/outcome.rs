@@ -91,7 +91,7 @@ impl<S: Store> Ledger<S> {
         epoch: u64,
         attempt: u32,
     ) -> Result<EffectRecord> {
-        let rec = self.require_effect(id, tenant)?;
+        let rec = self.take_effect(id, tenant)?;
         let granted = attempt != 0 && attempt <= rec.attempt;
         // The run's epoch never falls below the epoch the effect was granted at, so a granted
         // attempt's report at or below that epoch needs no read of the run (the common
