@@ -19,6 +19,7 @@ use fence_proto::v1 as pb;
 use fence_proto::v1::decision::Outcome;
 use fence_proto::v1::fence_client::FenceClient;
 use fence_server::clock::SystemClock;
+use fence_server::ledger::records::EffectRecord;
 use fence_server::ledger::{BeginCmd, Decision, OpClass, Outcome as LedgerOutcome, ToolDef};
 use hdrhistogram::Histogram;
 use tonic::transport::Channel;
@@ -745,24 +746,35 @@ pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Du
 ///
 /// `group` > 1 decides the pairs `group` at a time in one deferred section, each on a run of
 /// its own, as a sequencer decides the calls of that many agents between two syncs.
+/// `caches` false turns the run and effect record caches off.
 pub fn ledger_effects(
     data_dir: Option<&Path>,
     warmup: u64,
     effects: u64,
     group: u64,
+    caches: bool,
 ) -> Result<Duration> {
     let clock = Arc::new(SystemClock);
     match data_dir {
         Some(dir) => {
-            let config = fence_server::Config::with_data_dir(dir);
+            let mut config = fence_server::Config::with_data_dir(dir);
+            if !caches {
+                config.cached_runs = 0;
+                config.cached_effects = 0;
+            }
             let ledger = fence_server::server::open_ledger(&config, clock)?;
             time_effects(&ledger, warmup, effects, group)
         }
         None => {
+            let mut config = fence_server::ledger::LedgerConfig::default();
+            if !caches {
+                config.limits.max_cached_runs = 0;
+                config.limits.max_cached_effects = 0;
+            }
             let ledger = fence_server::ledger::Ledger::new(
                 fence_server::store::MemStore::new(),
                 clock,
-                fence_server::ledger::LedgerConfig::default(),
+                config,
             );
             time_effects(&ledger, warmup, effects, group)
         }
@@ -794,7 +806,9 @@ pub fn measured_effects<S: fence_server::store::Store>(
 }
 
 /// `effects` begin+complete pairs through the ledger, numbered from `first`, 100 per run;
-/// `group` > 1: `group` at a time in one deferred section, on as many runs.
+/// `group` > 1: `group` at a time on as many runs, as a sequencer sees them under load: each
+/// deferred section decides one group's Begins after the Completes of the group before (an
+/// agent completes an effect after its Begin was answered, so in a later group).
 #[inline(never)]
 fn effects_from<S: fence_server::store::Store>(
     ledger: &fence_server::ledger::Ledger<S>,
@@ -804,22 +818,32 @@ fn effects_from<S: fence_server::store::Store>(
 ) -> Result<()> {
     if group <= 1 {
         for n in first..first + effects {
-            load_effect(ledger, &format!("cost-{}", n / 100), 0, n)?;
+            let receipt = begin_effect(ledger, &format!("cost-{}", n / 100), 0, n)?;
+            complete_effect(ledger, n, &receipt)?;
         }
         return Ok(());
     }
     let end = first + effects;
     let mut n = first;
-    while n < end {
+    let mut begun: Vec<(u64, Box<EffectRecord>)> = Vec::new();
+    while n < end || !begun.is_empty() {
         let upto = (n + group).min(end);
         let mut done = Ok(());
+        let mut next = Vec::new();
         ledger.store().deferred(&mut || {
-            done = (n..upto).try_for_each(|i| {
-                let run = format!("cost-{}-{}", i % group, i / (100 * group));
-                load_effect(ledger, &run, 0, i)
-            });
+            done = begun
+                .drain(..)
+                .try_for_each(|(i, receipt)| complete_effect(ledger, i, &receipt))
+                .and_then(|()| {
+                    (n..upto).try_for_each(|i| {
+                        let run = format!("cost-{}-{}", i % group, i / (100 * group));
+                        next.push((i, begin_effect(ledger, &run, 0, i)?));
+                        Ok(())
+                    })
+                });
         })?;
         done?;
+        begun = next;
         n = upto;
     }
     Ok(())
@@ -899,6 +923,17 @@ fn load_effect<S: fence_server::store::Store>(
     worker: u64,
     n: u64,
 ) -> Result<()> {
+    let receipt = begin_effect(ledger, run_id, worker, n)?;
+    complete_effect(ledger, n, &receipt)
+}
+
+/// Begins effect `n` of `worker` on `run_id`; returns its receipt.
+fn begin_effect<S: fence_server::store::Store>(
+    ledger: &fence_server::ledger::Ledger<S>,
+    run_id: &str,
+    worker: u64,
+    n: u64,
+) -> Result<Box<EffectRecord>> {
     let cmd = BeginCmd {
         run_id: run_id.to_owned(),
         tool: TOOL.into(),
@@ -909,6 +944,15 @@ fn load_effect<S: fence_server::store::Store>(
     let Decision::Execute { receipt, .. } = ledger.begin(TENANT, &cmd)?.decision else {
         bail!("expected a grant for effect {n}");
     };
+    Ok(receipt)
+}
+
+/// Completes effect `n`, granted as `receipt`.
+fn complete_effect<S: fence_server::store::Store>(
+    ledger: &fence_server::ledger::Ledger<S>,
+    n: u64,
+    receipt: &EffectRecord,
+) -> Result<()> {
     ledger.complete(
         TENANT,
         &receipt.id().to_string(),

@@ -123,6 +123,10 @@ enum Command {
         /// sequencer decides a group (1: each call synced by itself).
         #[arg(long, default_value_t = 1)]
         group: u64,
+        /// Without the run and effect record caches (`--cached-runs 0 --cached-effects 0`):
+        /// what they save.
+        #[arg(long)]
+        no_caches: bool,
     },
 }
 
@@ -533,7 +537,14 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     Ok(())
 }
 
-fn ledger(effects: u64, warmup: u64, dir: Option<PathBuf>, mem: bool, group: u64) -> Result<()> {
+fn ledger(
+    effects: u64,
+    warmup: u64,
+    dir: Option<PathBuf>,
+    mem: bool,
+    group: u64,
+    no_caches: bool,
+) -> Result<()> {
     let scratch = match (&dir, mem) {
         (_, true) => None,
         (Some(d), false) => Some(d.clone()),
@@ -546,7 +557,7 @@ fn ledger(effects: u64, warmup: u64, dir: Option<PathBuf>, mem: bool, group: u64
             Some(target.join(format!("fence-ledger-{}", std::process::id())))
         }
     };
-    let took = load::ledger_effects(scratch.as_deref(), warmup, effects, group)?;
+    let took = load::ledger_effects(scratch.as_deref(), warmup, effects, group, !no_caches)?;
     println!(
         "{effects} effects on the {} store in {:.3} s: {:.1} us per effect (wall)",
         if mem { "in-memory" } else { "RocksDB" },
@@ -580,6 +591,7 @@ async fn main() -> Result<()> {
             dir,
             mem,
             group,
-        } => ledger(effects, warmup, dir, mem, group),
+            no_caches,
+        } => ledger(effects, warmup, dir, mem, group, no_caches),
     }
 }
