@@ -746,7 +746,7 @@ pub fn preload(data_dir: &Path, from: u64, to: u64, threads: usize) -> Result<Du
 ///
 /// `group` > 1 decides the pairs `group` at a time in one deferred section, each on a run of
 /// its own, as a sequencer decides the calls of that many agents between two syncs.
-/// `caches` false turns the run and effect record caches off.
+/// `caches` false turns the run and effect record caches and the index filters off.
 pub fn ledger_effects(
     data_dir: Option<&Path>,
     warmup: u64,
@@ -761,6 +761,7 @@ pub fn ledger_effects(
             if !caches {
                 config.cached_runs = 0;
                 config.cached_effects = 0;
+                config.filtered_index_entries = 0;
             }
             let ledger = fence_server::server::open_ledger(&config, clock)?;
             time_effects(&ledger, warmup, effects, group)
@@ -770,6 +771,7 @@ pub fn ledger_effects(
             if !caches {
                 config.limits.max_cached_runs = 0;
                 config.limits.max_cached_effects = 0;
+                config.limits.max_filtered_index_entries = 0;
             }
             let ledger = fence_server::ledger::Ledger::new(
                 fence_server::store::MemStore::new(),

@@ -106,6 +106,12 @@ pub struct Config {
     #[arg(long, env = "FENCE_CACHED_EFFECTS", default_value_t = 16_384)]
     pub cached_effects: usize,
 
+    /// Step key and intent index entries summarised in memory (all runs together, about 20
+    /// bytes each at most), so that a Begin skips the lookups of a step key or intent its run
+    /// never had; 0 turns the summaries off. They are dropped when this is exceeded.
+    #[arg(long, env = "FENCE_FILTERED_INDEX_ENTRIES", default_value_t = 2 << 20)]
+    pub filtered_index_entries: usize,
+
     /// RocksDB block cache, in MiB.
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,

@@ -141,6 +141,7 @@ pub fn open_ledger_with(
             max_page_bytes: config.max_page_bytes.max(1),
             max_cached_runs: config.cached_runs,
             max_cached_effects: config.cached_effects,
+            max_filtered_index_entries: config.filtered_index_entries,
             ..Limits::default()
         },
         ..LedgerConfig::default()

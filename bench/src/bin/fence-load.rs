@@ -123,8 +123,8 @@ enum Command {
         /// sequencer decides a group (1: each call synced by itself).
         #[arg(long, default_value_t = 1)]
         group: u64,
-        /// Without the run and effect record caches (`--cached-runs 0 --cached-effects 0`):
-        /// what they save.
+        /// Without the run and effect record caches and the index filters (`--cached-runs 0
+        /// --cached-effects 0 --filtered-index-entries 0`): what they save.
         #[arg(long)]
         no_caches: bool,
     },

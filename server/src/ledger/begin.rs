@@ -21,6 +21,7 @@
 
 use serde_json::Value;
 
+use super::index_filter;
 use super::messages;
 use super::records::{
     BranchRecord, CredentialRecord, EffectRecord, EffectRef, IndexEntry, OpenStep, RunRecord,
@@ -76,10 +77,13 @@ struct Call<'a> {
 impl Call<'_> {
     /// The key of the call's step key in branch `b`'s step index.
     fn step_index_key(&self, b: u32) -> Vec<u8> {
-        match &self.step_name {
-            Some(name) => keys::step_named(&self.rk, b, name),
-            None => keys::step(&self.rk, b, &self.cmd.step_key),
-        }
+        keys::step_named(&self.rk, b, &self.step_name())
+    }
+
+    /// The step key's name key.
+    fn step_name(&self) -> keys::NameKey {
+        self.step_name
+            .unwrap_or_else(|| keys::name_key(&self.cmd.step_key))
     }
 
     fn class(&self) -> OpClass {
@@ -314,6 +318,7 @@ impl<S: Store> Ledger<S> {
             });
         }
 
+        self.ensure_index_filter(&rk)?;
         match self.match_call(&call)? {
             Match::Existing { rec, via } => self.answer_existing(call, rec, via),
             Match::Mismatch(rec) => {
@@ -539,8 +544,12 @@ impl<S: Store> Ledger<S> {
 
     /// The effect the call's step key names on its lineage, if any.
     fn match_step(&self, call: &Call<'_>) -> Result<Option<Match>> {
+        let name = call.step_name();
         for (b, limit) in call.run.lineage(call.branch) {
-            let key = call.step_index_key(b);
+            let key = keys::step_named(&call.rk, b, &name);
+            if !self.index_may_hold(&call.rk, index_filter::step_tag(b, &name), &key)? {
+                continue;
+            }
             if let Some(entry) = self.get::<IndexEntry>(&key)?
                 && entry.position < limit
             {
@@ -726,6 +735,9 @@ impl<S: Store> Ledger<S> {
         for (b, limit) in run.lineage(branch) {
             for fp in &distinct {
                 let prefix = keys::intent_prefix(rk, b, fp);
+                if !self.index_may_hold(rk, index_filter::intent_tag(b, fp), &prefix)? {
+                    continue;
+                }
                 for (k, v) in self.store.scan(&prefix, &prefix, usize::MAX)? {
                     let entry: IndexEntry = codec::decode(&k, &v)?;
                     if entry.position < limit

@@ -89,6 +89,7 @@ impl<K: Hash + Eq, V> RecordCache<K, V> {
 mod tests {
     use super::*;
     use crate::ledger::records::RunRecord;
+    use crate::ledger::test_support::{pay, pay_ledger};
     use crate::store::keys::RunKey;
 
     type RunCache = RecordCache<RunKey, RunRecord>;
@@ -141,42 +142,6 @@ mod tests {
         // A store whose writes are durable at once.
         cache.put(rk, Durability::IMMEDIATE, run(5));
         assert_eq!(cache.take(&rk, Durability::IMMEDIATE).unwrap().next_seq, 5);
-    }
-
-    /// A ledger over the in-memory store with tenant "t"'s NON_RETRYABLE tool "pay".
-    fn pay_ledger() -> crate::ledger::Ledger<crate::store::MemStore> {
-        use crate::ledger::{Ledger, LedgerConfig, OpClass, ToolDef};
-        let ledger = Ledger::new(
-            crate::store::MemStore::new(),
-            std::sync::Arc::new(crate::clock::SystemClock),
-            LedgerConfig::default(),
-        );
-        let tool = ToolDef {
-            name: "pay".into(),
-            class: OpClass::NonRetryable.code(),
-            ..Default::default()
-        };
-        ledger.register_tool("t", tool).unwrap();
-        ledger
-    }
-
-    /// Begins step `s{n}` of run "r" with new arguments: a new effect, granted.
-    fn pay(
-        ledger: &crate::ledger::Ledger<crate::store::MemStore>,
-        n: u64,
-    ) -> crate::ledger::records::EffectRecord {
-        use crate::ledger::{BeginCmd, Decision};
-        let cmd = BeginCmd {
-            run_id: "r".into(),
-            tool: "pay".into(),
-            step_key: format!("s{n}"),
-            arguments_json: format!("{{\"n\":{n}}}"),
-            ..Default::default()
-        };
-        match ledger.begin("t", &cmd).unwrap().decision {
-            Decision::Execute { receipt, .. } => *receipt,
-            other => panic!("expected a grant, got {other:?}"),
-        }
     }
 
     /// Through a ledger: each Begin keeps exactly the record it wrote (equal to the stored

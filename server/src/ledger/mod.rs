@@ -16,10 +16,13 @@ mod cache;
 pub mod credentials;
 pub mod expiry;
 pub mod format;
+mod index_filter;
 pub mod messages;
 pub mod outcome;
 pub mod records;
 pub mod runs;
+#[cfg(test)]
+mod test_support;
 pub mod tools;
 pub mod types;
 pub mod verify;
@@ -76,6 +79,10 @@ pub struct Limits {
     /// Effects just begun whose decoded record is kept for their Complete (0: none); records
     /// over [`MAX_CACHED_EFFECT_BYTES`] are not kept.
     pub max_cached_effects: usize,
+    /// Step key and intent index entries summarised in memory, all runs together, so that a
+    /// Begin skips the lookups of a step key or intent its run never had (0: none); a run
+    /// with more than 65,536 such entries is not summarised.
+    pub max_filtered_index_entries: usize,
 }
 
 /// The largest effect record (encoded) the effect cache keeps: with
@@ -102,6 +109,7 @@ impl Default for Limits {
             max_cached_tools: 10_000,
             max_cached_runs: 65_536,
             max_cached_effects: 16_384,
+            max_filtered_index_entries: 2 << 20,
         }
     }
 }
@@ -186,6 +194,8 @@ pub struct Ledger<S> {
     run_cache: cache::RecordCache<RunKey, RunRecord>,
     /// Decoded records of effects just begun, for their Complete.
     effect_cache: cache::RecordCache<(RunKey, u64), EffectRecord>,
+    /// Which step key and intent index entries each run may hold.
+    index_filters: index_filter::IndexFilters,
 }
 
 impl<S: Store> Ledger<S> {
@@ -197,6 +207,9 @@ impl<S: Store> Ledger<S> {
             tools: tools::ToolCache::new(config.limits.max_cached_tools),
             run_cache: cache::RecordCache::new(config.limits.max_cached_runs),
             effect_cache: cache::RecordCache::new(config.limits.max_cached_effects),
+            index_filters: index_filter::IndexFilters::new(
+                config.limits.max_filtered_index_entries,
+            ),
             config,
             runs: Stripes::new(4096),
             credentials: Stripes::new(1024),
@@ -286,27 +299,69 @@ impl<S: Store> Ledger<S> {
 
     /// Writes `batch` durably: every ledger write goes through here (or
     /// [`Ledger::commit_unsynced`]), so that the run cache forgets a run whose record is
-    /// being written before it is (and the effect cache an effect).
+    /// being written before it is (and the effect cache an effect), and the index filters
+    /// hold every index entry before it is written.
     fn commit(&self, batch: Batch) -> Result<()> {
-        self.forget_cached_in(&batch);
+        self.note_writes(&batch);
         Ok(self.store.write(batch)?)
     }
 
     /// [`Store::write_unsynced`] through the run cache (see [`Ledger::commit`]).
     fn commit_unsynced(&self, batch: Batch) -> Result<()> {
-        self.forget_cached_in(&batch);
+        self.note_writes(&batch);
         Ok(self.store.write_unsynced(batch)?)
     }
 
-    fn forget_cached_in(&self, batch: &Batch) {
+    fn note_writes(&self, batch: &Batch) {
         for op in batch.ops() {
             let key = op.write().0;
             if let Some(rk) = keys::decode_run(key) {
                 self.run_cache.forget(&rk);
             } else if let Some(id) = keys::decode_effect(key) {
                 self.effect_cache.forget(&id);
+            } else if let Some((rk, tag)) = index_filter::key_tag(key) {
+                self.index_filters.note(&rk, tag);
             }
         }
+    }
+
+    /// Installs the run's index filter if it has none: from a scan of its step key and
+    /// intent indexes. The caller holds the run's lock (see [`index_filter`]).
+    fn ensure_index_filter(&self, rk: &RunKey) -> Result<()> {
+        if self.index_filters.installed(rk) {
+            return Ok(());
+        }
+        let cap = index_filter::MAX_TAGS_PER_RUN;
+        let mut tags = Vec::new();
+        for prefix in [keys::step_run_prefix(rk), keys::intent_run_prefix(rk)] {
+            for (key, _) in self
+                .store
+                .scan(&prefix, &prefix, cap + 1 - tags.len().min(cap))?
+            {
+                tags.extend(index_filter::key_tag(&key).map(|(_, tag)| tag));
+            }
+        }
+        let complete = tags.len() <= cap;
+        self.index_filters.install(*rk, tags, complete);
+        Ok(())
+    }
+
+    /// May the run's index hold an entry with `tag` (under `key`: the entry's key, or the
+    /// prefix of the entries sought)? In debug builds, a "no" is checked against the store.
+    fn index_may_hold(&self, rk: &RunKey, tag: u64, key: &[u8]) -> Result<bool> {
+        let may = self.index_filters.may_hold(rk, tag);
+        #[cfg(debug_assertions)]
+        if !may {
+            let found = self.store.scan(key, key, 1)?;
+            assert!(
+                found.is_empty(),
+                "the index filter lacks an entry the store holds: {}",
+                codec::hex(&found[0].0)
+            );
+        }
+        #[cfg(not(debug_assertions))]
+        let _ = key;
+        Ok(may)
     }
 
     /// Loads a run for a decision that holds its lock and will write it: from the run cache

@@ -189,6 +189,40 @@ pub fn step_named(rk: &RunKey, branch: u32, name: &NameKey) -> Vec<u8> {
         .0
 }
 
+/// Every step key index entry of a run, on all its branches.
+pub fn step_run_prefix(rk: &RunKey) -> Vec<u8> {
+    KeyBuf::new(Kind::StepKey, 16).bytes(rk).0
+}
+
+/// The run, branch and step name key of a step key index entry's key.
+pub fn decode_step(key: &[u8]) -> Option<(RunKey, u32, NameKey)> {
+    if key.len() != 37 || key[0] != Kind::StepKey as u8 {
+        return None;
+    }
+    Some((
+        key[1..17].try_into().ok()?,
+        u32::from_be_bytes(key[17..21].try_into().ok()?),
+        key[21..37].try_into().ok()?,
+    ))
+}
+
+/// Every intent index entry of a run, on all its branches.
+pub fn intent_run_prefix(rk: &RunKey) -> Vec<u8> {
+    KeyBuf::new(Kind::Intent, 16).bytes(rk).0
+}
+
+/// The run, branch and intent fingerprint of an intent index entry's key.
+pub fn decode_intent(key: &[u8]) -> Option<(RunKey, u32, [u8; 32])> {
+    if key.len() != 57 || key[0] != Kind::Intent as u8 {
+        return None;
+    }
+    Some((
+        key[1..17].try_into().ok()?,
+        u32::from_be_bytes(key[17..21].try_into().ok()?),
+        key[21..53].try_into().ok()?,
+    ))
+}
+
 /// An intent index entry.
 pub fn intent(rk: &RunKey, branch: u32, fp: &[u8; 32], occurrence: u32) -> Vec<u8> {
     KeyBuf::new(Kind::Intent, 56)
@@ -459,6 +493,24 @@ mod tests {
         assert!(effect(&rk, 9).starts_with(&effect_kind_prefix()));
         // A neighbouring branch's log is not inside this branch's prefix.
         assert!(!branch_log(&rk, 3, 0).starts_with(&branch_log_prefix(&rk, 2)));
+    }
+
+    #[test]
+    fn index_keys_decode_to_their_run_branch_and_name() {
+        let rk = run_key("t", "r");
+        let fp = [9u8; 32];
+        let intent_key = intent(&rk, 0x0102_0304, &fp, 7);
+        assert!(intent_key.starts_with(&intent_run_prefix(&rk)));
+        assert_eq!(decode_intent(&intent_key), Some((rk, 0x0102_0304, fp)));
+        let step_key = step(&rk, 5, "charge");
+        assert!(step_key.starts_with(&step_run_prefix(&rk)));
+        assert_eq!(decode_step(&step_key), Some((rk, 5, name_key("charge"))));
+        // Other kinds, and the prefixes themselves, decode to nothing.
+        assert_eq!(decode_intent(&step_key), None);
+        assert_eq!(decode_step(&intent_key), None);
+        assert_eq!(decode_intent(&intent_prefix(&rk, 1, &fp)), None);
+        assert_eq!(decode_step(&effect(&rk, 1)), None);
+        assert!(!intent(&run_key("t", "s"), 0, &fp, 1).starts_with(&intent_run_prefix(&rk)));
     }
 
     proptest! {
