@@ -12,13 +12,19 @@
 //!    The migration from 1 or 2 adds the index entry of every stored run.
 //! 4. Effects not settled yet are indexed (`keys::open`, what the effect-state gauges read).
 //!    The migration from 1 to 3 adds the entry of every stored effect that is open.
+//! 5. A run record's counts (`next_seq`, each branch's `length`) may lag its effects: a Begin
+//!    that changes nothing else rewrites it only every [`super::RUN_RECORD_EVERY`] effects,
+//!    and readers catch the counts up from the effect keys and branch log entries after them.
+//!    Earlier records are exact, so the migration rewrites nothing; an earlier `fenced` must
+//!    not open a format-5 data dir, since it would trust the lagging counts and number two
+//!    effects alike.
 
 use super::records::{EffectRecord, RunRecord};
 use super::{Ledger, LedgerError, Result};
 use crate::store::{Batch, Store, codec, keys};
 
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// The store's format record (key [`keys::meta`]).
 #[derive(Clone, PartialEq, prost::Message)]

@@ -85,6 +85,15 @@ pub struct Limits {
     pub max_filtered_index_entries: usize,
 }
 
+/// Entries read per scan while catching a run record up.
+const CATCH_UP_PAGE: usize = 256;
+
+/// A Begin that records an effect and changes nothing else in its run record leaves the
+/// stored record's counts (`next_seq`, branch lengths) behind, and writes it only every this
+/// many effects: a reader catches up at most this many effects and log entries per branch
+/// (format 5).
+pub const RUN_RECORD_EVERY: u64 = 64;
+
 /// The largest effect record (encoded) the effect cache keeps: with
 /// [`Limits::max_cached_effects`], this bounds the cache's memory (64 MiB at the default).
 pub const MAX_CACHED_EFFECT_BYTES: usize = 4096;
@@ -425,9 +434,54 @@ impl<S: Store> Ledger<S> {
 
     /// Loads a run, checking it belongs to `tenant` (the key is a hash; the record is the truth).
     fn load_run(&self, rk: &RunKey, tenant: &str, run_id: &str) -> Result<Option<RunRecord>> {
-        Ok(self
+        let Some(mut run) = self
             .get::<RunRecord>(&keys::run(rk))?
-            .filter(|r| r.tenant == tenant && r.run_id == run_id))
+            .filter(|r| r.tenant == tenant && r.run_id == run_id)
+        else {
+            return Ok(None);
+        };
+        self.catch_up_run(rk, &mut run)?;
+        Ok(Some(run))
+    }
+
+    /// Brings a stored run record's counts up to date: the stored `next_seq` and branch
+    /// lengths may lag (see [`RUN_RECORD_EVERY`]), and the effects and branch log entries
+    /// after them are the truth (neither is ever deleted, and each is written in the same
+    /// batch as the effect it records).
+    pub(crate) fn catch_up_run(&self, rk: &RunKey, run: &mut RunRecord) -> Result<()> {
+        let prefix = keys::effect_prefix(rk);
+        let mut from = keys::effect(rk, run.next_seq.max(1));
+        loop {
+            let page = self.store.scan(&prefix, &from, CATCH_UP_PAGE)?;
+            for (key, _) in &page {
+                if let Some((_, seq)) = keys::decode_effect(key) {
+                    run.next_seq = run.next_seq.max(seq + 1);
+                }
+            }
+            if page.len() < CATCH_UP_PAGE {
+                break;
+            }
+            from = keys::effect(rk, run.next_seq);
+        }
+        for (b, branch) in run.branches.iter_mut().enumerate() {
+            let prefix = keys::branch_log_prefix(rk, b as u32);
+            loop {
+                let from = keys::branch_log(rk, b as u32, branch.length);
+                let page = self.store.scan(&prefix, &from, CATCH_UP_PAGE)?;
+                if let Some((key, _)) = page.last() {
+                    let position = u64::from_be_bytes(
+                        key[key.len() - 8..]
+                            .try_into()
+                            .expect("branch log keys end with a position"),
+                    );
+                    branch.length = branch.length.max(position + 1);
+                }
+                if page.len() < CATCH_UP_PAGE {
+                    break;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn require_run(&self, rk: &RunKey, tenant: &str, run_id: &str) -> Result<RunRecord> {

@@ -162,11 +162,13 @@ impl<S: Store> Ledger<S> {
                 let Some(run_id) = keys::decode_tenant_run(k) else {
                     return Ok(None);
                 };
-                let key = keys::run(&keys::run_key(tenant, run_id));
+                let rk = keys::run_key(tenant, run_id);
+                let key = keys::run(&rk);
                 let Some(bytes) = self.store.get(&key)? else {
                     return Ok(None);
                 };
-                let run: RunRecord = codec::decode(&key, &bytes)?;
+                let mut run: RunRecord = codec::decode(&key, &bytes)?;
+                self.catch_up_run(&rk, &mut run)?;
                 let view = RunView {
                     run,
                     checkpoints: Vec::new(),

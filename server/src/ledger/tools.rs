@@ -421,10 +421,15 @@ impl Fingerprints {
     }
 }
 
-/// Notes in `run` that one of its effects was recorded under `version` of `tool`.
-pub(crate) fn note_tool_version(run: &mut super::records::RunRecord, tool: &str, version: u32) {
+/// Notes in `run` that one of its effects was recorded under `version` of `tool`; returns
+/// whether the run record changed.
+pub(crate) fn note_tool_version(
+    run: &mut super::records::RunRecord,
+    tool: &str,
+    version: u32,
+) -> bool {
     if !run.tracks_tool_versions {
-        return;
+        return false;
     }
     let i = match run.tool_versions.iter().position(|t| t.tool == tool) {
         Some(i) => i,
@@ -437,7 +442,11 @@ pub(crate) fn note_tool_version(run: &mut super::records::RunRecord, tool: &str,
         }
     };
     let versions = &mut run.tool_versions[i].versions;
-    if let Err(at) = versions.binary_search(&version) {
-        versions.insert(at, version);
+    match versions.binary_search(&version) {
+        Ok(_) => false,
+        Err(at) => {
+            versions.insert(at, version);
+            true
+        }
     }
 }

@@ -100,7 +100,10 @@ impl<S: Store> Ledger<S> {
         let walked = self.walk(&[], Vec::new(), 1024, |chunk| {
             for (key, value) in chunk {
                 report.records += 1;
-                verify_record(key, value, &mut runs, &mut open, &mut report);
+                let catch_up = |rk: &RunKey, run: &mut RunRecord| {
+                    self.catch_up_run(rk, run).map_err(|e| e.to_string())
+                };
+                verify_record(key, value, &catch_up, &mut runs, &mut open, &mut report);
             }
             if let Some((key, _)) = chunk.last() {
                 last.clone_from(key);
@@ -128,6 +131,7 @@ impl<S: Store> Ledger<S> {
 fn verify_record(
     key: &[u8],
     value: &[u8],
+    catch_up: &dyn Fn(&RunKey, &mut RunRecord) -> std::result::Result<(), String>,
     runs: &mut HashMap<RunKey, u64>,
     open: &mut HashSet<(RunKey, u64)>,
     report: &mut VerifyReport,
@@ -146,7 +150,7 @@ fn verify_record(
                 report.format_version = f.version;
             }
             k if k == Kind::Run as u8 => {
-                let run: RunRecord = decodes(key, value)?;
+                let mut run: RunRecord = decodes(key, value)?;
                 let rk = keys::run_key(&run.tenant, &run.run_id);
                 if key != keys::run(&rk).as_slice() {
                     return Err(format!(
@@ -154,6 +158,9 @@ fn verify_record(
                         run.run_id, run.tenant
                     ));
                 }
+                // The stored count may lag (format 5): the effects after it are the truth.
+                catch_up(&rk, &mut run)
+                    .map_err(|e| format!("its effects could not be read: {e}"))?;
                 runs.insert(rk, run.next_seq);
                 report.runs += 1;
             }
