@@ -14,7 +14,7 @@
 //!    The migration from 1 to 3 adds the entry of every stored effect that is open.
 //! 5. A run record's counts (`next_seq`, each branch's `length`) may lag its effects: a Begin
 //!    that changes nothing else rewrites it only every [`super::RUN_RECORD_EVERY`] effects,
-//!    and readers catch the counts up from the effect keys and branch log entries after them.
+//!    and readers catch the counts up from the branch log entries past the stored lengths.
 //!    Earlier records are exact, so the migration rewrites nothing; an earlier `fenced` must
 //!    not open a format-5 data dir, since it would trust the lagging counts and number two
 //!    effects alike.

@@ -90,9 +90,10 @@ const CATCH_UP_PAGE: usize = 256;
 
 /// A Begin that records an effect and changes nothing else in its run record leaves the
 /// stored record's counts (`next_seq`, branch lengths) behind, and writes it only every this
-/// many effects: a reader catches up at most this many effects and log entries per branch
-/// (format 5).
-pub const RUN_RECORD_EVERY: u64 = 64;
+/// many effects: a reader that misses the run cache reads at most this many branch log
+/// entries past the stored counts (format 5). Small, because a miss is not rare: a second
+/// call of one run decided in the same group finds the first one's record not yet durable.
+pub const RUN_RECORD_EVERY: u64 = 8;
 
 /// The largest effect record (encoded) the effect cache keeps: with
 /// [`Limits::max_cached_effects`], this bounds the cache's memory (64 MiB at the default).
@@ -445,42 +446,28 @@ impl<S: Store> Ledger<S> {
     }
 
     /// Brings a stored run record's counts up to date: the stored `next_seq` and branch
-    /// lengths may lag (see [`RUN_RECORD_EVERY`]), and the effects and branch log entries
-    /// after them are the truth (neither is ever deleted, and each is written in the same
-    /// batch as the effect it records).
+    /// lengths may lag (see [`RUN_RECORD_EVERY`]), and the branch log entries after the
+    /// stored lengths are the truth. Every effect is logged on its branch in the batch that
+    /// records it, at a position at or past the length stored before it, and no log entry is
+    /// ever deleted; so the entries past each stored length name every effect recorded since.
     pub(crate) fn catch_up_run(&self, rk: &RunKey, run: &mut RunRecord) -> Result<()> {
-        let prefix = keys::effect_prefix(rk);
-        let mut from = keys::effect(rk, run.next_seq.max(1));
-        loop {
-            let page = self.store.scan(&prefix, &from, CATCH_UP_PAGE)?;
-            for (key, _) in &page {
-                if let Some((_, seq)) = keys::decode_effect(key) {
-                    run.next_seq = run.next_seq.max(seq + 1);
-                }
-            }
-            if page.len() < CATCH_UP_PAGE {
-                break;
-            }
-            from = keys::effect(rk, run.next_seq);
-        }
+        let mut next_seq = run.next_seq;
         for (b, branch) in run.branches.iter_mut().enumerate() {
             let prefix = keys::branch_log_prefix(rk, b as u32);
             loop {
                 let from = keys::branch_log(rk, b as u32, branch.length);
                 let page = self.store.scan(&prefix, &from, CATCH_UP_PAGE)?;
-                if let Some((key, _)) = page.last() {
-                    let position = u64::from_be_bytes(
-                        key[key.len() - 8..]
-                            .try_into()
-                            .expect("branch log keys end with a position"),
-                    );
-                    branch.length = branch.length.max(position + 1);
+                for (key, value) in &page {
+                    let entry: records::IndexEntry = codec::decode(key, value)?;
+                    next_seq = next_seq.max(entry.seq + 1);
+                    branch.length = branch.length.max(entry.position + 1);
                 }
                 if page.len() < CATCH_UP_PAGE {
                     break;
                 }
             }
         }
+        run.next_seq = next_seq;
         Ok(())
     }
 
