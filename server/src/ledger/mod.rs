@@ -396,11 +396,7 @@ impl<S: Store> Ledger<S> {
     ) -> Result<()> {
         let before = self.store.durability();
         self.commit(batch)?;
-        let after = self.store.durability();
-        let stamp = crate::store::Durability {
-            open_epoch: after.open_epoch,
-            ..before
-        };
+        let stamp = self.store.write_stamp(before);
         self.run_cache.put(rk, stamp, run);
         if self.config.limits.max_cached_effects > 0
             && effect.encoded_len() <= MAX_CACHED_EFFECT_BYTES

@@ -183,4 +183,17 @@ pub trait Store: Send + Sync + 'static {
     fn durability(&self) -> Durability {
         Durability::IMMEDIATE
     }
+
+    /// The stamp of what this thread has just written, `before` being the durability read
+    /// before the write: the generation then, and the round the write was in or any later
+    /// one. The default, the round open after the write, is right for every store (it is
+    /// made durable no earlier than the write's); a store that knows the write's own round
+    /// returns it, so that a value written outside a deferred section (durable on return) is
+    /// usable at once.
+    fn write_stamp(&self, before: Durability) -> Durability {
+        Durability {
+            open_epoch: self.durability().open_epoch,
+            ..before
+        }
+    }
 }

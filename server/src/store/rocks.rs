@@ -554,6 +554,21 @@ impl Store for RocksStore {
         self.engine.pipeline.durability()
     }
 
+    fn write_stamp(&self, before: super::Durability) -> super::Durability {
+        let after = self.durability();
+        // Inside a section the write was staged in the open round; outside, it returned once
+        // durable, so every round durable now covers it.
+        let open_epoch = if self.engine.pipeline.in_section() {
+            after.open_epoch
+        } else {
+            after.durable_through
+        };
+        super::Durability {
+            open_epoch,
+            ..before
+        }
+    }
+
     fn deferred_then(&self, f: Box<dyn FnOnce() -> Then + '_>) {
         if !self.engine.opts.sync_writes {
             let then = f();
@@ -821,6 +836,37 @@ mod tests {
         }
         let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
         assert_eq!(s.get(&[7, 1]).unwrap(), Some(vec![1]));
+    }
+
+    /// A write outside a section is durable on return, so its stamp is covered at once; one
+    /// inside a section is covered only once the section's round is durable.
+    #[test]
+    fn a_write_stamp_is_covered_exactly_when_the_write_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        let put = |k: u8| {
+            let mut b = Batch::new();
+            b.put(vec![7, k], vec![k]);
+            b
+        };
+        let before = s.durability();
+        s.write(put(1)).unwrap();
+        let stamp = s.write_stamp(before);
+        assert!(s.durability().covers(stamp), "{stamp:?}");
+
+        let mut inside = None;
+        s.deferred(&mut || {
+            let before = s.durability();
+            s.write(put(2)).unwrap();
+            let stamp = s.write_stamp(before);
+            assert!(
+                !s.durability().covers(stamp),
+                "staged, not durable: {stamp:?}"
+            );
+            inside = Some(stamp);
+        })
+        .unwrap();
+        assert!(s.durability().covers(inside.unwrap()));
     }
 
     #[test]
