@@ -179,3 +179,56 @@ fn a_format_2_data_dir_gets_its_runs_indexed_and_listed() {
         assert_eq!(listed, expected, "tenant {tenant}");
     }
 }
+
+/// Format 5: a run record is rewritten only every few effects, so the one on disk lags; a
+/// reopened data dir (nothing cached) still numbers the next effect right after the last and
+/// counts every effect. A format-4 data dir (exact records) is migrated without a rewrite.
+#[test]
+fn a_reopened_data_dir_numbers_after_the_last_effect_though_its_run_record_lags() {
+    let dir = tempfile::tempdir().unwrap();
+    let effects = 3 * fence_server::ledger::RUN_RECORD_EVERY + 3;
+    {
+        let ledger = open(dir.path()).unwrap();
+        for n in 1..=effects {
+            let cmd = BeginCmd {
+                arguments_json: format!(r#"{{"amount":{n}}}"#),
+                ..call(&format!("s{n}"))
+            };
+            let Decision::Execute { receipt, .. } = ledger.begin("t", &cmd).unwrap().decision
+            else {
+                panic!("expected a grant")
+            };
+            assert_eq!(receipt.seq, n);
+        }
+        let rk = keys::run_key("t", "r");
+        let bytes = ledger.store().get(&keys::run(&rk)).unwrap().unwrap();
+        let stored: fence_server::ledger::records::RunRecord =
+            codec::decode(&keys::run(&rk), &bytes).unwrap();
+        assert!(stored.next_seq <= effects, "the stored record lags");
+        // As format 4 marked it (its records were exact; these lag, which format 5 reads).
+        let mut batch = Batch::new();
+        batch.put(
+            keys::meta(),
+            codec::encode(&FormatRecord {
+                version: 4,
+                written_by: "0.1.0".into(),
+            }),
+        );
+        ledger.store().write(batch).unwrap();
+    }
+    let ledger = open(dir.path()).unwrap();
+    assert_eq!(format_of(&ledger), Some(FORMAT_VERSION));
+    let view = ledger.get_run("t", "r").unwrap();
+    assert_eq!(view.run.next_seq, effects + 1);
+    assert_eq!(view.run.branches[0].length, effects);
+    let next = BeginCmd {
+        arguments_json: r#"{"amount":0}"#.into(),
+        ..call("next")
+    };
+    let Decision::Execute { receipt, .. } = ledger.begin("t", &next).unwrap().decision else {
+        panic!("expected a grant")
+    };
+    assert_eq!(receipt.seq, effects + 1, "numbered right after the last");
+    let report = ledger.verify();
+    assert!(report.is_sound(), "{:?}", report.problems);
+}
