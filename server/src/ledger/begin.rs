@@ -1128,9 +1128,9 @@ impl<S: Store> Ledger<S> {
         let noted = note_tool_version(&mut call.run, &rec.tool, rec.tool_version);
         let opened = self.note_open_step(&mut call, rec.position)?;
         call.run.branches[call.branch as usize].length += 1;
-        // The stored record's counts may lag (readers catch them up from the branch log, see
-        // `Ledger::catch_up_run`); it is written when anything else in it
-        // changes, and every `RUN_RECORD_EVERY` effects so that catching up stays short.
+        // The stored record's counts may lag (readers catch them up from the branch logs, see
+        // `Ledger::catch_up_run`); it is written when anything else in it changes, and every
+        // `RUN_RECORD_EVERY` effects so that catching up stays short.
         if call.new || noted || opened || seq.is_multiple_of(super::RUN_RECORD_EVERY) {
             batch.put(keys::run(&call.rk), codec::encode(&call.run));
         }

@@ -158,9 +158,9 @@ fn verify_record(
                         run.run_id, run.tenant
                     ));
                 }
-                // The stored count may lag (format 5): the effects after it are the truth.
+                // The stored count may lag (format 5): the branch logs past it are the truth.
                 catch_up(&rk, &mut run)
-                    .map_err(|e| format!("its effects could not be read: {e}"))?;
+                    .map_err(|e| format!("its branch logs could not be read: {e}"))?;
                 runs.insert(rk, run.next_seq);
                 report.runs += 1;
             }
