@@ -17,9 +17,10 @@
 //! store. A cache holds at most `capacity` records and is emptied when full, which bounds its
 //! memory without bookkeeping per use.
 
-use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Mutex, MutexGuard};
+
+use foldhash::{HashMap, HashMapExt as _};
 
 use crate::store::Durability;
 

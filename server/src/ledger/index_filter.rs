@@ -20,7 +20,7 @@
 //! all filters together hold at most a budget of tags, and are dropped when it is exceeded
 //! (each is rebuilt by the next Begin of its run).
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::store::keys::{self, NameKey, RunKey};

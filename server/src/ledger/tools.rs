@@ -6,8 +6,9 @@
 //! new schema never changes what an old receipt means. An unregistered tool is version 0:
 //! NON_RETRYABLE with no volatile fields.
 
-use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+
+use foldhash::HashMap;
 
 use super::records::{ToolHead, ToolRecord};
 use super::{Ledger, LedgerError, OpClass, Result, ToolDef};

@@ -155,25 +155,33 @@ fn db_options(opts: &StoreOptions) -> Result<(Options, Vec<ColumnFamilyDescripto
         intent_prefix,
         Some(is_intent_key),
     ));
-    // Keys under a run start with kind and run key (17 bytes). A group's writes land one or
-    // a few per run, scattered over a memtable of hundreds of thousands of keys, so each
-    // insert searched the skip list from its top level through cold cache lines: a third of
-    // the sequencer's CPU under load. With this hint RocksDB keeps, for each such prefix, the
-    // place it last inserted at and starts the next insert of that prefix from there. The C
-    // API has no setter for it; the options string is RocksDB's documented way in. It
-    // applies to single-writer memtable inserts, which is how the commit pipeline writes.
-    // Each hint (about 250 bytes) lives in its memtable and goes with it at the flush: at
-    // most one per key, so memory stays bounded by the memtable size as before.
+    // Keys under a run start with kind and run key. A group's writes land one or a few per
+    // run, scattered over a memtable of hundreds of thousands of keys, so each insert
+    // searched the skip list from its top level through cold cache lines: a third of the
+    // sequencer's CPU under load. With this hint RocksDB keeps, for each prefix (see
+    // [`INSERT_HINT_PREFIX_LEN`]), the place it last inserted at and starts the next insert
+    // of that prefix from there. The C API has no setter for it; the options string is
+    // RocksDB's documented way in. It applies to single-writer memtable inserts, which is how
+    // the commit pipeline writes. Each hint (about 250 bytes) lives in its memtable and goes
+    // with it at the flush: at most one per key, so memory stays bounded by the memtable size
+    // as before.
     let cf_opts = cf_opts
         .get_options_from_string(format!(
-            "memtable_insert_with_hint_prefix_extractor=rocksdb.FixedPrefix.{}",
-            super::keys::RUN_PREFIX_LEN
+            "memtable_insert_with_hint_prefix_extractor=rocksdb.FixedPrefix.{INSERT_HINT_PREFIX_LEN}"
         ))
         .map_err(engine)?;
 
     let cfs = vec![ColumnFamilyDescriptor::new(LEDGER_CF, cf_opts)];
     Ok((db_opts, cfs))
 }
+
+/// The length of the prefix memtable inserts are hinted by: the kind and 8 bytes. Under a
+/// run those are 8 bytes of its run key (a hash: as distinct between runs as all 16). The
+/// expiry index, written by every finished effect, is ordered by time: there they are the
+/// expiry millisecond, so that the entries of one millisecond share a hint. With the whole
+/// run-key length every expiry entry had a prefix of its own: each insert searched the skip
+/// list from the top and added a hint that was never used again.
+const INSERT_HINT_PREFIX_LEN: usize = 1 + 8;
 
 /// The prefix extractor's name, stored in every table file it filtered: a file written under
 /// another name (or none) is read without its prefix filter, never with a wrong one. Change
@@ -634,7 +642,7 @@ mod tests {
                     let mut key = vec![rng.random_range(1..4u8)];
                     key.extend_from_slice(&[rng.random_range(0..6u8); 16]);
                     if rng.random_bool(0.1) {
-                        key.truncate(rng.random_range(1..crate::store::keys::RUN_PREFIX_LEN));
+                        key.truncate(rng.random_range(1..INSERT_HINT_PREFIX_LEN + 4));
                     } else {
                         key.extend_from_slice(&rng.random_range(0..50u64).to_be_bytes());
                     }
@@ -677,8 +685,7 @@ mod tests {
             .expect("RocksDB writes an OPTIONS file");
         let text = std::fs::read_to_string(options).unwrap();
         let hinted = format!(
-            "memtable_insert_with_hint_prefix_extractor=rocksdb.FixedPrefix.{}",
-            crate::store::keys::RUN_PREFIX_LEN
+            "memtable_insert_with_hint_prefix_extractor=rocksdb.FixedPrefix.{INSERT_HINT_PREFIX_LEN}"
         );
         assert!(
             text.contains(&hinted),
