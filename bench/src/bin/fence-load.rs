@@ -22,6 +22,12 @@ use clap::{Parser, Subcommand};
 use fence_bench::fenced::{Fenced, default_binary};
 use fence_bench::load::{self, Measured, Target};
 
+/// fenced's allocator, so that `ledger` counts the engine's instructions as fenced runs it, and
+/// the load generator (on the same cores as what it measures) takes less CPU from either
+/// system under test.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Throughput and latency of Fence next to the physical floor and a Postgres peer.
 #[derive(Debug, Parser)]
 #[command(name = "fence-load")]
