@@ -30,6 +30,17 @@ fn format_of(
     )
 }
 
+/// Marks the data dir as written in `version` by release `written_by`.
+fn mark_format(batch: &mut Batch, version: u32, written_by: &str) {
+    batch.put(
+        keys::meta(),
+        codec::encode(&FormatRecord {
+            version,
+            written_by: written_by.into(),
+        }),
+    );
+}
+
 fn call(step: &str) -> BeginCmd {
     BeginCmd {
         run_id: "r".into(),
@@ -103,13 +114,7 @@ fn a_data_dir_in_a_newer_format_is_refused_naming_what_to_run() {
     {
         let ledger = open(dir.path()).unwrap();
         let mut batch = Batch::new();
-        batch.put(
-            keys::meta(),
-            codec::encode(&FormatRecord {
-                version: FORMAT_VERSION + 1,
-                written_by: "9.9.9".into(),
-            }),
-        );
+        mark_format(&mut batch, FORMAT_VERSION + 1, "9.9.9");
         ledger.store().write(batch).unwrap();
     }
     let err = match open(dir.path()) {
@@ -147,13 +152,7 @@ fn a_format_2_data_dir_gets_its_runs_indexed_and_listed() {
             let tenant = if i % 2 == 0 { "a" } else { "b" };
             batch.delete(keys::tenant_run(&keys::tenant_key(tenant), id));
         }
-        batch.put(
-            keys::meta(),
-            codec::encode(&FormatRecord {
-                version: 2,
-                written_by: "0.1.0".into(),
-            }),
-        );
+        mark_format(&mut batch, 2, "0.1.0");
         ledger.store().write(batch).unwrap();
         assert!(ledger.list_runs("a", "", 0, "").unwrap().0.is_empty());
     }
@@ -207,13 +206,7 @@ fn a_reopened_data_dir_numbers_after_the_last_effect_though_its_run_record_lags(
         assert!(stored.next_seq <= effects, "the stored record lags");
         // As format 4 marked it (its records were exact; these lag, which format 5 reads).
         let mut batch = Batch::new();
-        batch.put(
-            keys::meta(),
-            codec::encode(&FormatRecord {
-                version: 4,
-                written_by: "0.1.0".into(),
-            }),
-        );
+        mark_format(&mut batch, 4, "0.1.0");
         ledger.store().write(batch).unwrap();
     }
     let ledger = open(dir.path()).unwrap();
