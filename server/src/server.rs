@@ -110,6 +110,7 @@ pub fn store_options(config: &Config) -> StoreOptions {
     StoreOptions {
         block_cache_bytes: config.block_cache_mb << 20,
         sync_writes: true,
+        wal_prime_bytes: config.wal_prime_mb << 20,
     }
 }
 

@@ -143,6 +143,14 @@ pub fn meta() -> Vec<u8> {
     vec![Kind::Meta as u8]
 }
 
+/// A key that never holds a value: the write-ahead log prime deletes it so that a flush has
+/// a memtable to switch (see `RocksStore::open`).
+pub fn wal_prime() -> Vec<u8> {
+    let mut k = meta();
+    k.extend_from_slice(b"wal-prime");
+    k
+}
+
 /// A run record.
 pub fn run(rk: &RunKey) -> Vec<u8> {
     KeyBuf::new(Kind::Run, 16).bytes(rk).0
