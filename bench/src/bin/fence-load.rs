@@ -258,9 +258,7 @@ async fn compare(
         rtt.p50(),
         rtt.p99()
     );
-    println!(
-        "| floor of begin+complete: 2 fdatasync (overwrite) + 2 round trips | {floor:.3} | |"
-    );
+    println!("| floor of begin+complete: 2 fdatasync (overwrite) + 2 round trips | {floor:.3} | |");
 
     // Fence.
     load::register_tool(fenced.channel().await?).await?;

@@ -292,9 +292,11 @@ fn cf(db: &DB) -> &rocksdb::ColumnFamily {
 impl RocksStore {
     /// Opens (creating if needed) the store in `path`.
     ///
-    /// With [`StoreOptions::wal_prime_bytes`], it then primes the write-ahead log: see
-    /// [`prime_wal`]. A prime that fails is logged and skipped (the store is served as
-    /// without it); the reopen after a write error never primes.
+    /// With [`StoreOptions::wal_prime_bytes`], it then writes that much write-ahead log ahead
+    /// (at most an eighth of the free space), so that the syncs of this process's first
+    /// memtable overwrite the WAL file instead of growing it. A prime that fails is logged and
+    /// skipped (the store is served as without it); the reopen after a write error never
+    /// primes.
     pub fn open(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let db = open_db(&path, opts)?;
