@@ -732,12 +732,14 @@ fn a_fork_from_a_checkpoint_saved_mid_tape_does_not_carry_what_was_reissued() {
 /// Found by the property on RocksDB at PROPTEST_CASES=20000: a false FORK_REQUIRED (safe:
 /// nothing runs twice; the agent is asked to fork when it need not). A call drifted away from
 /// e2 (intent 1) leaves e2 due at cp-6; the restore to cp-6 carries it, and a later, new call
-/// of intent 1 (call 9) replays it. After two more restores the tape holds e2 once for calls 9
-/// and 10, and call 10, re-issued, is refused. The root is the carried superseded entry
-/// answering a new call of its intent; telling "superseded" from "not re-issued yet" needs the
-/// checkpoint to record which due entries the agent replaced.
+/// of intent 1 (call 9, after cp-16) replays it, so e2 now answers cp-16's step too. The
+/// restore to cp-16 carries e2 again (it was due there), but call 9, re-issued, was taken for
+/// a repeat within cp-16's step (DUPLICATE_INTENT) before the carried effects were looked at,
+/// and e2 went on to answer call 10, a new call of a later step. Restored once more, calls 9
+/// and 10 then met one e2 between them, and call 10 was refused. Now a repeat whose effect is
+/// due again is answered by that due effect, as a tape entry would be: call 9 replays e2 and
+/// call 10 is a new effect.
 #[test]
-#[ignore = "known false fork: a superseded due entry, carried, answers a later new call of its intent"]
 fn a_superseded_due_entry_answering_a_new_call_forces_no_fork_later() {
     use Event::*;
     let step = |first, second, late_checkpoint| Step {

@@ -5,13 +5,18 @@
 //!    fingerprint, the n-th identical intent matching the n-th recorded one;
 //! 2. against the branch lineage (the branch and its ancestors up to each fork point): a known
 //!    step key with the same intent is the same effect, with another intent ARGUMENT_MISMATCH;
-//!    without a step key an identical recorded intent is a suspected duplicate (DEDUPLICATE
-//!    tools replay it);
-//! 3. on a fork, against the effects carried from the parent (done after the fork point; see
-//!    [`Ledger::fork`]): by step key where the lineage does not know it, else by intent, the
-//!    earliest first. An equivalent call replays the carried effect and adopts it into this
-//!    branch's log; a different one is simply new (the fork was the explicit divergence);
-//! 4. while a tape is pending, a call that matched nothing is divergent: FORK_REQUIRED.
+//! 3. a repeat of an intent within the call's causal step, under no key or a new one, is that
+//!    call again (a suspected duplicate once completed; DEDUPLICATE tools replay it), unless
+//!    the effect is due here again (carried by a restore to a checkpoint before the call it
+//!    answered): then it is the re-issued call, answered as in 4;
+//! 4. against the effects carried onto the branch (done after a fork point, or due when the
+//!    checkpoint restored to was taken; see [`Ledger::fork`]): by step key where the lineage
+//!    does not know it, else by intent, the earliest first. An equivalent call replays the
+//!    carried effect and adopts it into this branch's log; a different one is simply new (the
+//!    fork was the explicit divergence);
+//! 5. without a step key, an identical intent anywhere on the lineage is a suspected
+//!    duplicate;
+//! 6. while a tape is pending, a call that matched nothing is divergent: FORK_REQUIRED.
 //!
 //! A matched effect is answered from its state (replay, in progress, re-grant, reconcile).
 //! Anything that would record a new effect, or refuse as duplicate or divergent, first passes
@@ -517,10 +522,18 @@ impl<S: Store> Ledger<S> {
         // 3. A repeat within the call's causal step, under no key or a new one: a retry of a
         //    call this step already made is that call, before anything else could answer it.
         let (count, same_step, latest) = self.repeated_intent(call)?;
-        if let Some(rec) = same_step
-            && let Some(m) = self.answer_repeat(call, rec)
-        {
-            return Ok(m);
+        if let Some(rec) = same_step {
+            // Unless that effect is due here again (a restore to a checkpoint before the
+            // call it answered carried it): then this is that call re-issued, and the due
+            // effect answers it, as a tape entry would.
+            if call.branch().carried_seqs.contains(&rec.seq)
+                && let Some(m) = self.match_carried(call)?
+            {
+                return Ok(m);
+            }
+            if let Some(m) = self.answer_repeat(call, rec) {
+                return Ok(m);
+            }
         }
         // 4. What abandoned lines of history did (see `match_carried`).
         if let Some(m) = self.match_carried(call)? {
