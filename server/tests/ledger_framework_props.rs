@@ -767,3 +767,38 @@ fn a_superseded_due_entry_answering_a_new_call_forces_no_fork_later() {
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
 }
+
+/// Found by the property at PROPTEST_RNG_SEED=12 and PROPTEST_CASES=10000 (in memory),
+/// before and after the fix above: a false FORK_REQUIRED (safe: nothing runs twice). Call 1
+/// (e1) drifts into call 6, which is refused and forked; a restore to cp-0 on main then takes
+/// the agent's call 6 back there, answered by e6 carried from the fork. e1 stays due on
+/// main's tape although call 6 superseded it: the re-issued calls 2-5 are matched by intent
+/// to four of e1-e5 and one entry is left over, which a later new call meets. Telling a
+/// superseded entry from one not re-issued yet needs the fork (or the adoption of its effect)
+/// to record which due entry its first call replaced.
+#[test]
+#[ignore = "known false fork: a forked call taken back to the original branch leaves the entry it superseded due"]
+fn a_forked_call_taken_back_to_its_branch_leaves_no_superseded_entry_due() {
+    use Event::*;
+    let step = |first, second| Step {
+        first,
+        second,
+        late_checkpoint: false,
+        retry_in_flight: false,
+    };
+    let events = vec![
+        step(0, None),
+        step(0, None),
+        step(1, None),
+        step(0, Some(1)),
+        Restore {
+            to: 0,
+            drift: Some(0),
+        },
+        Restore { to: 5, drift: None },
+        Retry,
+        Restore { to: 1, drift: None },
+        step(1, None),
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
