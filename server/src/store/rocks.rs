@@ -217,8 +217,9 @@ fn intent_prefix(key: &[u8]) -> &[u8] {
 /// so from its second memtable on it overwrites; the prime makes that true from the first
 /// write, as Postgres does by zero-filling WAL segments before it needs them.
 ///
-/// How: one synced batch of `bytes` of WAL-only log data (`put_log_data`: never in a memtable
-/// or table file) and the deletion of a key that never holds a value, [`keys::wal_prime`]
+/// How: `bytes` of WAL-only log data (`put_log_data`: never in a memtable or table file), a
+/// megabyte per write, the last one synced and holding the deletion of a key that never holds
+/// a value, [`keys::wal_prime`]
 /// (so that the memtable is not empty and a flush switches WAL files). The flush makes that
 /// WAL obsolete, which puts it in RocksDB's recycle list; a second deletion and flush
 /// switches to it. The flush's clean-up that fills the list runs after the flush returns, so
@@ -237,16 +238,21 @@ fn prime_wal(db: &DB, path: &Path, bytes: u64) -> Result<(), StoreError> {
     }
     let cf = cf(db);
     let key = super::keys::wal_prime();
+    // A megabyte per write, so the prime never holds more than that in memory; the last
+    // write syncs them all.
     let filler = vec![0u8; CHUNK];
-    let mut batch = WriteBatch::default();
     let mut left = bytes;
     while left > 0 {
         let n = left.min(CHUNK as u64) as usize;
-        batch.put_log_data(&filler[..n]);
         left -= n as u64;
+        let mut batch = WriteBatch::default();
+        batch.put_log_data(&filler[..n]);
+        if left == 0 {
+            batch.delete_cf(cf, &key);
+        }
+        db.write_opt(batch, &write_options(left == 0))
+            .map_err(engine)?;
     }
-    batch.delete_cf(cf, &key);
-    db.write_opt(batch, &write_options(true)).map_err(engine)?;
     db.flush_cf(cf).map_err(engine)?;
     for _ in 0..50 {
         let mut switch = WriteBatch::default();
