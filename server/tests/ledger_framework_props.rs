@@ -346,6 +346,16 @@ fn trace(line: impl FnOnce() -> String) {
     }
 }
 
+/// One step of a shrunk case: its calls' intents, and whether its checkpoint is saved late.
+fn step(first: u8, second: Option<u8>, late_checkpoint: bool) -> Event {
+    Event::Step {
+        first,
+        second,
+        late_checkpoint,
+        retry_in_flight: false,
+    }
+}
+
 /// Runs the agent through `events` under a step-key policy, checking every answer.
 fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
     let h = harness();
@@ -448,19 +458,13 @@ proptest! {
 #[test]
 fn restoring_across_forks_executes_no_call_twice() {
     use Event::*;
-    let step = |first| Step {
-        first,
-        second: None,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0),
-        step(0),
-        step(0),
-        step(1),
-        step(0),
-        step(1),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(1, None, false),
+        step(0, None, false),
+        step(1, None, false),
         Restore {
             to: 2,
             drift: Some(3),
@@ -470,7 +474,7 @@ fn restoring_across_forks_executes_no_call_twice() {
             drift: Some(1),
         },
         Restore { to: 3, drift: None },
-        step(0),
+        step(0, None, false),
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
 }
@@ -479,23 +483,17 @@ fn restoring_across_forks_executes_no_call_twice() {
 #[test]
 fn a_lost_late_checkpoint_and_restores_to_the_start_execute_no_call_twice() {
     use Event::*;
-    let step = |first, late_checkpoint| Step {
-        first,
-        second: None,
-        late_checkpoint,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0, true),
+        step(0, None, true),
         Restore {
             to: 0,
             drift: Some(0),
         },
-        step(1, false),
+        step(1, None, false),
         Restore { to: 0, drift: None },
-        step(2, true),
-        step(0, false),
-        step(0, false),
+        step(2, None, true),
+        step(0, None, false),
+        step(0, None, false),
         Restore { to: 3, drift: None },
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
@@ -505,24 +503,18 @@ fn a_lost_late_checkpoint_and_restores_to_the_start_execute_no_call_twice() {
 #[test]
 fn a_retry_on_a_fork_then_a_restore_execute_no_call_twice() {
     use Event::*;
-    let step = |first, second| Step {
-        first,
-        second,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0, None),
-        step(0, None),
-        step(0, Some(2)),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, Some(2), false),
         Restore {
             to: 0,
             drift: Some(0),
         },
         Retry,
         Restore { to: 0, drift: None },
-        step(2, None),
-        step(1, Some(2)),
+        step(2, None, false),
+        step(1, Some(2), false),
         Restore { to: 1, drift: None },
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
@@ -533,24 +525,18 @@ fn a_retry_on_a_fork_then_a_restore_execute_no_call_twice() {
 #[test]
 fn stable_keys_and_restores_along_the_original_line_need_no_fork() {
     use Event::*;
-    let step = |first| Step {
-        first,
-        second: None,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0),
-        step(0),
-        step(0),
-        step(0),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
         Restore {
             to: 6,
             drift: Some(1),
         },
         Restore { to: 1, drift: None },
         Restore { to: 0, drift: None },
-        step(1),
+        step(1, None, false),
     ];
     run_agent(Keys::Stable, events).unwrap();
 }
@@ -563,20 +549,14 @@ fn stable_keys_and_restores_along_the_original_line_need_no_fork() {
 #[test]
 fn new_keys_per_attempt_and_drifting_restores_execute_no_call_twice() {
     use Event::*;
-    let step = |first| Step {
-        first,
-        second: None,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0),
-        step(0),
-        step(0),
-        step(0),
-        step(2),
-        step(0),
-        step(2),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(2, None, false),
+        step(0, None, false),
+        step(2, None, false),
         Restore {
             to: 0,
             drift: Some(0),
@@ -595,19 +575,13 @@ fn new_keys_per_attempt_and_drifting_restores_execute_no_call_twice() {
 #[test]
 fn parallel_calls_and_a_restore_to_a_checkpoint_saved_while_a_tape_was_due_execute_no_call_twice() {
     use Event::*;
-    let step = |first, second| Step {
-        first,
-        second,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(2, None),
-        step(2, None),
-        step(0, None),
-        step(0, None),
-        step(0, Some(1)),
-        step(2, Some(0)),
+        step(2, None, false),
+        step(2, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, Some(1), false),
+        step(2, Some(0), false),
         Restore {
             to: 0,
             drift: Some(0),
@@ -631,29 +605,23 @@ fn parallel_calls_and_a_restore_to_a_checkpoint_saved_while_a_tape_was_due_execu
 #[test]
 fn a_due_entry_from_a_line_beside_the_restored_checkpoint_forces_no_fork() {
     use Event::*;
-    let step = |first| Step {
-        first,
-        second: None,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0),
+        step(0, None, false),
         Restore {
             to: 6,
             drift: Some(0),
         },
-        step(0),
-        step(0),
-        step(2),
+        step(0, None, false),
+        step(0, None, false),
+        step(2, None, false),
         Restore {
             to: 1,
             drift: Some(0),
         },
-        step(1),
+        step(1, None, false),
         Restore { to: 1, drift: None },
         Restore { to: 2, drift: None },
-        step(1),
+        step(1, None, false),
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
 }
@@ -666,29 +634,23 @@ fn a_due_entry_from_a_line_beside_the_restored_checkpoint_forces_no_fork() {
 #[test]
 fn a_carried_effect_replayed_on_its_own_branch_is_logged_once() {
     use Event::*;
-    let step = |first, second| Step {
-        first,
-        second,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0, None),
-        step(2, None),
-        step(0, None),
-        step(0, None),
-        step(0, None),
+        step(0, None, false),
+        step(2, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
         Retry,
         Restore {
             to: 6,
             drift: Some(1),
         },
         Restore { to: 7, drift: None },
-        step(0, None),
-        step(0, Some(2)),
+        step(0, None, false),
+        step(0, Some(2), false),
         Restore { to: 0, drift: None },
         Restore { to: 2, drift: None },
-        step(0, None),
+        step(0, None, false),
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
 }
@@ -704,26 +666,20 @@ fn a_carried_effect_replayed_on_its_own_branch_is_logged_once() {
 #[test]
 fn a_fork_from_a_checkpoint_saved_mid_tape_does_not_carry_what_was_reissued() {
     use Event::*;
-    let step = |first, second| Step {
-        first,
-        second,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0, None),
-        step(0, None),
-        step(2, None),
-        step(0, Some(1)),
+        step(0, None, false),
+        step(0, None, false),
+        step(2, None, false),
+        step(0, Some(1), false),
         Restore {
             to: 0,
             drift: Some(0),
         },
         Restore { to: 0, drift: None },
-        step(1, None),
+        step(1, None, false),
         Restore { to: 4, drift: None },
-        step(0, None),
-        step(0, None),
+        step(0, None, false),
+        step(0, None, false),
         Restore { to: 1, drift: None },
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
@@ -742,12 +698,6 @@ fn a_fork_from_a_checkpoint_saved_mid_tape_does_not_carry_what_was_reissued() {
 #[test]
 fn a_superseded_due_entry_answering_a_new_call_forces_no_fork_later() {
     use Event::*;
-    let step = |first, second, late_checkpoint| Step {
-        first,
-        second,
-        late_checkpoint,
-        retry_in_flight: false,
-    };
     let events = vec![
         step(0, None, false),
         step(1, None, false),
@@ -780,17 +730,11 @@ fn a_superseded_due_entry_answering_a_new_call_forces_no_fork_later() {
 #[ignore = "known false fork: a forked call taken back to the original branch leaves the entry it superseded due"]
 fn a_forked_call_taken_back_to_its_branch_leaves_no_superseded_entry_due() {
     use Event::*;
-    let step = |first, second| Step {
-        first,
-        second,
-        late_checkpoint: false,
-        retry_in_flight: false,
-    };
     let events = vec![
-        step(0, None),
-        step(0, None),
-        step(1, None),
-        step(0, Some(1)),
+        step(0, None, false),
+        step(0, None, false),
+        step(1, None, false),
+        step(0, Some(1), false),
         Restore {
             to: 0,
             drift: Some(0),
@@ -798,7 +742,7 @@ fn a_forked_call_taken_back_to_its_branch_leaves_no_superseded_entry_due() {
         Restore { to: 5, drift: None },
         Retry,
         Restore { to: 1, drift: None },
-        step(1, None),
+        step(1, None, false),
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
 }
