@@ -153,6 +153,13 @@ pub struct Config {
     /// owning the runs that hash to it. 0 = half the cores (at least one).
     #[arg(long, env = "FENCE_SEQUENCERS", default_value_t = 0)]
     pub sequencers: usize,
+
+    /// Decide and commit a lone request on the thread that received it, when its sequencer is
+    /// idle and its last group was a lone request too: at low concurrency a request then
+    /// costs no hand-off to the sequencer thread and none back. Under load every request is
+    /// queued to its sequencer either way. `false` always queues.
+    #[arg(long, env = "FENCE_INLINE_COMMIT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub inline_commit: bool,
 }
 
 impl Config {

@@ -10,6 +10,7 @@
 //! | `fence_decisions_total` | counter | `decision` (execute, replay, in_progress, refused), `reason` (the refusal reason, or "") |
 //! | `fence_group_commits_total` | counter | `result` (ok, failed): sequencer groups, one WAL sync each |
 //! | `fence_group_commit_requests` | histogram | requests decided per group |
+//! | `fence_inline_commits_total` | counter | lone requests decided on the receiving thread (`--inline-commit`), each also a group |
 //! | `fence_rate_limited_total` | counter | calls refused by `--tenant-rate-limit` |
 //! | `fence_store_writes_total` | counter | `durability` (synced, deferred: synced with its group, unsynced: audit counters) |
 //! | `fence_wal_syncs_total` | counter | WAL syncs asked of RocksDB (writes per sync = writes / syncs) |
@@ -50,6 +51,11 @@ pub fn group_commit(requests: usize, ok: bool) {
     let result = if ok { "ok" } else { "failed" };
     metrics::counter!("fence_group_commits_total", "result" => result).increment(1);
     metrics::histogram!("fence_group_commit_requests").record(requests as f64);
+}
+
+/// Records a lone request decided and committed on the thread that received it.
+pub fn inline_commit() {
+    metrics::counter!("fence_inline_commits_total").increment(1);
 }
 
 /// Records a call refused by the per-tenant rate limit.

@@ -200,6 +200,8 @@ pub struct ServeOptions {
     pub rate_limit: Option<Arc<TenantRateLimit>>,
     /// Sequencer threads (0 = half the cores; see [`Config::sequencers`]).
     pub sequencers: usize,
+    /// Lone requests decided on the receiving thread (see [`Config::inline_commit`]).
+    pub inline_commit: bool,
     /// Concurrent streams per connection (see [`Config::max_streams_per_connection`]).
     pub max_streams_per_connection: u32,
     /// Calls of one Session stream decided at once (0 = the default).
@@ -231,6 +233,7 @@ pub async fn serve(
         tls,
         rate_limit,
         sequencers: config.sequencers,
+        inline_commit: config.inline_commit,
         max_streams_per_connection: config.max_streams_per_connection,
         max_session_in_flight: config.max_session_in_flight,
     };
@@ -251,6 +254,7 @@ pub async fn serve_ledger(
         tls: None,
         rate_limit: None,
         sequencers: 0,
+        inline_commit: true,
         max_streams_per_connection: 64,
         max_session_in_flight: 0,
     };
@@ -270,6 +274,7 @@ pub async fn serve_ledger_with(
         tls,
         rate_limit,
         sequencers,
+        inline_commit,
         max_streams_per_connection,
         max_session_in_flight,
     } = opts;
@@ -299,6 +304,7 @@ pub async fn serve_ledger_with(
         let _ = stop_sessions.send(true);
     };
     let service = FenceService::with_sequencers(ledger.clone(), sequencers)
+        .with_inline_commit(inline_commit)
         .with_rate_limit(rate_limit.clone())
         .with_max_session_in_flight(max_session_in_flight)
         .with_shutdown(sessions_stopping);

@@ -60,6 +60,13 @@ impl<S: Store> FenceService<S> {
         }
     }
 
+    /// Whether a lone request may be decided on the thread that received it (see
+    /// [`Sequencer::set_inline`]; on by default).
+    pub fn with_inline_commit(self, on: bool) -> Self {
+        self.sequencer.set_inline(on);
+        self
+    }
+
     /// The tenant rate limit a Session stream takes per call (unary calls take theirs in the
     /// server's interceptor).
     pub fn with_rate_limit(mut self, limit: Option<Arc<TenantRateLimit>>) -> Self {

@@ -92,6 +92,7 @@ impl TestServer {
                 tls: opts.tls,
                 rate_limit: opts.rate_limit,
                 sequencers: 0,
+                inline_commit: true,
                 max_streams_per_connection: 64,
                 max_session_in_flight: opts.max_session_in_flight,
             };
