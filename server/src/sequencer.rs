@@ -271,7 +271,14 @@ fn sequence<S: Store>(ledger: &Ledger<S>, queue: &Arc<Queue<S>>) {
     loop {
         let mut state = queue.lock();
         while state.busy || state.jobs.is_empty() {
-            if state.closed && state.jobs.is_empty() {
+            if state.closed && (state.jobs.is_empty() || state.busy) {
+                // Busy while closing: a group never gave its turn back. What waits behind it
+                // is answered rather than left hanging.
+                let left: Vec<Job<S>> = state.jobs.drain(..).collect();
+                drop(state);
+                for job in left {
+                    job.answer(Err(Status::unavailable("the server is shutting down")));
+                }
                 return;
             }
             state.waiting = true;
@@ -289,25 +296,46 @@ fn sequence<S: Store>(ledger: &Ledger<S>, queue: &Arc<Queue<S>>) {
 /// Decides `group` (the queue's turn taken) in order inside one deferred store section and
 /// hands it to the store, which answers it once durable; gives the turn back.
 fn decide_group<S: Store>(ledger: &Ledger<S>, queue: &Arc<Queue<S>>, mut group: Vec<Job<S>>) {
-    let n = group.len();
     // The turn goes back before the answers when this thread commits the group (so a caller
     // answered sees the sequencer idle, and whether anything overlapped the sync counts),
-    // else once the group is handed to the thread committing it: whichever comes first.
-    let turn = Arc::new(AtomicBool::new(true));
-    let (q, t) = (queue.clone(), turn.clone());
+    // else once the group is handed to the thread committing it: whichever comes first. It
+    // goes back on unwinding too, so a panic cannot leave the queue's runs stuck behind it.
+    let turn = Arc::new(Turn {
+        queue: queue.clone(),
+        requests: group.len(),
+        held: AtomicBool::new(true),
+    });
+    let in_answer = turn.clone();
     ledger.store().deferred_then(Box::new(move || {
         for job in group.iter_mut() {
             job.decide(ledger);
         }
         Box::new(move |synced: Result<(), StoreError>| {
-            if t.swap(false, Ordering::AcqRel) {
-                q.finish(n);
-            }
+            in_answer.give_back();
             answer(group, synced)
         })
     }));
-    if turn.swap(false, Ordering::AcqRel) {
-        queue.finish(n);
+    turn.give_back();
+}
+
+/// A queue's turn taken for a group: given back once, by whoever comes first.
+struct Turn<S> {
+    queue: Arc<Queue<S>>,
+    requests: usize,
+    held: AtomicBool,
+}
+
+impl<S> Turn<S> {
+    fn give_back(&self) {
+        if self.held.swap(false, Ordering::AcqRel) {
+            self.queue.finish(self.requests);
+        }
+    }
+}
+
+impl<S> Drop for Turn<S> {
+    fn drop(&mut self) {
+        self.give_back();
     }
 }
 
@@ -342,11 +370,13 @@ mod tests {
     use crate::ledger::{BeginCmd, Decision, LedgerConfig};
     use crate::store::{Batch, Entries, MemStore};
 
-    /// The in-memory store whose group syncs fail while `fail` is set.
+    /// The in-memory store whose group syncs fail while `fail` is set, and panic (a fault
+    /// outside any decision) while `panic` is.
     #[derive(Default)]
     struct FlakySync {
         inner: MemStore,
         fail: AtomicBool,
+        panic: AtomicBool,
     }
 
     impl Store for FlakySync {
@@ -361,6 +391,9 @@ mod tests {
         }
         fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
             f();
+            if self.panic.load(Ordering::SeqCst) {
+                panic!("the store failed outside a decision");
+            }
             if self.fail.load(Ordering::SeqCst) {
                 return Err(StoreError::Engine("fsync failed".into()));
             }
@@ -487,6 +520,16 @@ mod tests {
         assert!(queued.iter().all(|t| *t != here), "{threads:?}");
         assert!(inline.iter().all(|t| *t == here), "{threads:?}");
 
+        // A failed sync of an inline group is answered UNAVAILABLE too.
+        seq.ledger.store().fail.store(true, Ordering::SeqCst);
+        let failed = seq
+            .submit(7, |_| Ok(std::thread::current().id()))
+            .await
+            .unwrap_err();
+        assert_eq!(failed.code(), tonic::Code::Unavailable);
+        seq.ledger.store().fail.store(false, Ordering::SeqCst);
+        assert_eq!(deciding_threads(&seq, 1).await, vec![here]);
+
         // Off: every request goes to the sequencer thread.
         seq.set_inline(false);
         let threads = deciding_threads(&seq, 3).await;
@@ -541,5 +584,30 @@ mod tests {
         let (seq_no, thread) = seq.submit(route, decided_on(6)).await.unwrap();
         assert_eq!(seq_no, 7);
         assert_ne!(thread, here);
+    }
+
+    #[tokio::test]
+    async fn a_panic_outside_the_decisions_of_an_inline_group_gives_its_turn_back() {
+        let seq = Arc::new(Sequencer::start(ledger(), 1));
+        let here = std::thread::current().id();
+        deciding_threads(&seq, LONE_STREAK as usize).await;
+        seq.ledger.store().panic.store(true, Ordering::SeqCst);
+        let inline = seq.clone();
+        let crashed =
+            tokio::spawn(
+                async move { inline.submit(7, |_| Ok(std::thread::current().id())).await },
+            )
+            .await;
+        assert!(crashed.unwrap_err().is_panic());
+        seq.ledger.store().panic.store(false, Ordering::SeqCst);
+        // The queue is not left busy (its runs would wait forever): the next request is
+        // decided, inline again.
+        let next = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            deciding_threads(&seq, 1),
+        )
+        .await
+        .expect("a request after the panic is answered");
+        assert_eq!(next, vec![here]);
     }
 }
