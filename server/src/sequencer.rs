@@ -183,10 +183,10 @@ impl<S: Store> Sequencer<S> {
 
     /// Whether a lone request may be decided and committed on the caller's thread (on by
     /// default): when its sequencer is idle, nothing is queued for it and its last few groups
-    /// were lone requests that no other overlapped, the caller does the sequencer's work itself, and the request
-    /// costs no hand-off to the sequencer thread and none back. Under load the groups hold
-    /// many requests and every request is queued as before. The caller's thread (a runtime
-    /// worker) is then blocked for one decision and one sync.
+    /// were lone requests that no other overlapped, the caller does the sequencer's work
+    /// itself, and the request costs no hand-off to the sequencer thread and none back. Under
+    /// load the groups hold many requests and every request is queued as before. The caller's
+    /// thread (a runtime worker) is then blocked for one decision and one sync.
     pub fn set_inline(&self, inline: bool) {
         self.inline.store(inline, Ordering::Relaxed);
     }
