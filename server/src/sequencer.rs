@@ -109,24 +109,18 @@ struct QueueState<S> {
     closed: bool,
 }
 
-impl<S> QueueState<S> {
-    /// A group of `n` requests was decided (and, where this thread committed it, synced).
-    fn done(&mut self, n: usize) {
-        self.busy = false;
-        self.lone = if n == 1 && self.jobs.is_empty() {
-            self.lone.saturating_add(1)
+impl<S> Queue<S> {
+    /// Gives back the turn taken for a group of `n` requests (decided and, where this thread
+    /// committed it, synced), waking the sequencer thread when requests queued behind a group
+    /// decided inline.
+    fn finish(&self, n: usize) {
+        let mut state = self.lock();
+        state.busy = false;
+        state.lone = if n == 1 && state.jobs.is_empty() {
+            state.lone.saturating_add(1)
         } else {
             0
         };
-    }
-}
-
-impl<S> Queue<S> {
-    /// Gives back the turn taken for a group of `n` requests, waking the sequencer thread
-    /// when requests queued behind a group decided inline.
-    fn finish(&self, n: usize) {
-        let mut state = self.lock();
-        state.done(n);
         let wake = state.waiting && !state.jobs.is_empty();
         drop(state);
         if wake {

@@ -219,8 +219,8 @@ fn intent_prefix(key: &[u8]) -> &[u8] {
 ///
 /// How: `bytes` of WAL-only log data (`put_log_data`: never in a memtable or table file), a
 /// megabyte per write, the last one synced and holding the deletion of a key that never holds
-/// a value, [`keys::wal_prime`]
-/// (so that the memtable is not empty and a flush switches WAL files). The flush makes that
+/// a value, [`keys::wal_prime`] (so that the memtable is not empty and a flush switches WAL
+/// files). The flush makes that
 /// WAL obsolete, which puts it in RocksDB's recycle list; a second deletion and flush
 /// switches to it. The flush's clean-up that fills the list runs after the flush returns, so
 /// the switch is retried until the live WAL is the primed file. Each flush leaves a table
