@@ -157,7 +157,8 @@ pub struct Config {
     /// Decide and commit a lone request on the thread that received it, when its sequencer is
     /// idle and its last group was a lone request too: at low concurrency a request then
     /// costs no hand-off to the sequencer thread and none back. Under load every request is
-    /// queued to its sequencer either way. `false` always queues.
+    /// queued to its sequencer either way. At most one less thread than the runtime's workers
+    /// does so at once (none with one worker). `false` always queues.
     #[arg(long, env = "FENCE_INLINE_COMMIT", default_value_t = true, action = clap::ArgAction::Set)]
     pub inline_commit: bool,
 }

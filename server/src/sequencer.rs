@@ -15,7 +15,11 @@
 //! caller's thread decides and commits it in the sequencer's place (holding the sequencer's
 //! turn, so every run's order holds). At one request at a time that saves a thread wake-up
 //! each way, a tenth of the latency and a sixth of the CPU per effect on two cores; under load
-//! the groups hold many requests and every request is queued (docs/BENCHMARKS.md).
+//! the groups hold many requests and every request is queued (docs/BENCHMARKS.md). A caller
+//! committing inline blocks its thread for a sync, so fewer callers may do so at once than
+//! the runtime has workers: one worker always stays free to read the next requests, which is
+//! how an overlap is seen at all (on a one-worker runtime, inline commits would decide every
+//! request alone, one sync each, however many are waiting).
 //!
 //! Nothing is answered before its sync. When the sync fails every request of the group is
 //! answered UNAVAILABLE (any of its writes may or may not have survived; a client resending
@@ -23,7 +27,7 @@
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -36,7 +40,7 @@ use crate::store::{Store, StoreError};
 const MAX_GROUP: usize = 512;
 
 /// Lone groups in a row after which a lone request is decided inline (see
-/// [`Sequencer::set_inline`]): with two or more callers, requests often arrive one at a time
+/// [`Sequencer::set_inline_callers`]): with two or more callers, requests often arrive one at a time
 /// but overlap, and one decided inline holds the next back from its group.
 const LONE_STREAK: u32 = 4;
 
@@ -140,7 +144,10 @@ pub struct Sequencer<S> {
     ledger: Arc<Ledger<S>>,
     queues: Vec<Arc<Queue<S>>>,
     threads: Vec<JoinHandle<()>>,
-    inline: AtomicBool,
+    /// Most callers committing inline at once (0: never); see [`Sequencer::set_inline_callers`].
+    inline_limit: AtomicUsize,
+    /// Callers committing inline now.
+    inline_active: AtomicUsize,
 }
 
 impl<S: Store> Sequencer<S> {
@@ -171,18 +178,42 @@ impl<S: Store> Sequencer<S> {
             ledger,
             queues,
             threads: handles,
-            inline: AtomicBool::new(true),
+            inline_limit: AtomicUsize::new(0),
+            inline_active: AtomicUsize::new(0),
         }
     }
 
-    /// Whether a lone request may be decided and committed on the caller's thread (on by
-    /// default): when its sequencer is idle, nothing is queued for it and its last few groups
-    /// were lone requests that no other overlapped, the caller does the sequencer's work
-    /// itself, and the request costs no hand-off to the sequencer thread and none back. Under
-    /// load the groups hold many requests and every request is queued as before. The caller's
-    /// thread (a runtime worker) is then blocked for one decision and one sync.
-    pub fn set_inline(&self, inline: bool) {
-        self.inline.store(inline, Ordering::Relaxed);
+    /// How many callers may decide and commit a lone request on their own thread at once,
+    /// across all sequencers (0, the default: none). When a request's sequencer is idle,
+    /// nothing is queued for it and its last few groups were lone requests that no other
+    /// overlapped, the caller does the sequencer's work itself, and the request costs no
+    /// hand-off to the sequencer thread and none back. Under load the groups hold many
+    /// requests and every request is queued as before.
+    ///
+    /// The caller's thread (a runtime worker) is blocked meanwhile for one decision and one
+    /// sync, so give fewer than the runtime's workers (the server gives one less): a worker
+    /// left free reads the next requests, and a request queued behind an inline one is what
+    /// ends a streak. With every worker blocked nothing would be read while a request
+    /// commits, each would find its sequencer idle, and requests would be committed one sync
+    /// each however many wait.
+    pub fn set_inline_callers(&self, callers: usize) {
+        self.inline_limit.store(callers, Ordering::Relaxed);
+    }
+
+    /// How many callers may commit inline at once (see [`Sequencer::set_inline_callers`]).
+    pub fn inline_callers(&self) -> usize {
+        self.inline_limit.load(Ordering::Relaxed)
+    }
+
+    /// Takes one of the inline callers' places, if one is free.
+    fn inline_place(&self) -> Option<InlinePlace<'_>> {
+        let limit = self.inline_limit.load(Ordering::Relaxed);
+        self.inline_active
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |active| {
+                (active < limit).then_some(active + 1)
+            })
+            .ok()
+            .map(|_| InlinePlace(&self.inline_active))
     }
 
     /// Decides `decide` on the sequencer of `route` (a hash of the run), in order with that
@@ -205,7 +236,7 @@ impl<S: Store> Sequencer<S> {
     /// [`Sequencer::submit`] without waiting: `reply` is called with the answer once the
     /// group is durable (on the thread that committed it, so it must not block), or at once
     /// with UNAVAILABLE when the sequencers have stopped. A lone request may be decided and
-    /// committed before this returns (see [`Sequencer::set_inline`]).
+    /// committed before this returns (see [`Sequencer::set_inline_callers`]).
     pub fn dispatch<T, F, R>(&self, route: u64, decide: F, reply: R)
     where
         T: Send + 'static,
@@ -225,12 +256,12 @@ impl<S: Store> Sequencer<S> {
             return;
         }
         if state.lone >= LONE_STREAK
-            && self.inline.load(Ordering::Relaxed)
             && !state.busy
             && state.jobs.is_empty()
+            && let Some(_place) = self.inline_place()
         {
             // Nothing of these runs is queued or being decided, so deciding here keeps
-            // every run's order.
+            // every run's order. The place is held until this thread is free again.
             state.busy = true;
             drop(state);
             crate::metrics::inline_commit();
@@ -310,6 +341,16 @@ fn decide_group<S: Store>(ledger: &Ledger<S>, queue: &Arc<Queue<S>>, mut group: 
         })
     }));
     turn.give_back();
+}
+
+/// One of the inline callers' places (see [`Sequencer::set_inline_callers`]), given back
+/// when dropped (on unwinding too).
+struct InlinePlace<'a>(&'a AtomicUsize);
+
+impl Drop for InlinePlace<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A queue's turn taken for a group: given back once, by whoever comes first.
@@ -508,6 +549,7 @@ mod tests {
     #[tokio::test]
     async fn a_lone_request_is_decided_on_its_callers_thread_once_the_load_is_lone() {
         let seq = Sequencer::start(ledger(), 1);
+        seq.set_inline_callers(1);
         let here = std::thread::current().id();
         let threads = deciding_threads(&seq, LONE_STREAK as usize + 3).await;
         let (queued, inline) = threads.split_at(LONE_STREAK as usize);
@@ -525,7 +567,7 @@ mod tests {
         assert_eq!(deciding_threads(&seq, 1).await, vec![here]);
 
         // Off: every request goes to the sequencer thread.
-        seq.set_inline(false);
+        seq.set_inline_callers(0);
         let threads = deciding_threads(&seq, 3).await;
         assert!(threads.iter().all(|t| *t != here), "{threads:?}");
     }
@@ -534,6 +576,7 @@ mod tests {
     async fn a_request_overlapping_an_inline_one_queues_behind_it_and_ends_the_streak() {
         let ledger = ledger();
         let seq = Arc::new(Sequencer::start(ledger, 1));
+        seq.set_inline_callers(1);
         let here = std::thread::current().id();
         let route = route_of("t", "r");
         let decided_on = |i: usize| {
@@ -583,6 +626,7 @@ mod tests {
     #[tokio::test]
     async fn a_panic_outside_the_decisions_of_an_inline_group_gives_its_turn_back() {
         let seq = Arc::new(Sequencer::start(ledger(), 1));
+        seq.set_inline_callers(1);
         let here = std::thread::current().id();
         deciding_threads(&seq, LONE_STREAK as usize).await;
         seq.ledger.store().panic.store(true, Ordering::SeqCst);
@@ -603,5 +647,49 @@ mod tests {
         .await
         .expect("a request after the panic is answered");
         assert_eq!(next, vec![here]);
+    }
+
+    /// While `holder` commits inline on route 0 (sequencer 0), a lone request on route 1
+    /// (sequencer 1, its streak reached) is sent from another thread: the thread it was
+    /// decided on, and that other thread's id.
+    fn decided_beside_an_inline_commit(
+        callers: usize,
+    ) -> (std::thread::ThreadId, std::thread::ThreadId) {
+        let seq = Arc::new(Sequencer::start(ledger(), 2));
+        seq.set_inline_callers(callers);
+        futures::executor::block_on(async {
+            for route in [0, 1] {
+                for _ in 0..LONE_STREAK {
+                    seq.submit(route, |_| Ok(())).await.unwrap();
+                }
+            }
+        });
+        let (sent, beside) = std::sync::mpsc::channel();
+        let other = seq.clone();
+        futures::executor::block_on(seq.submit(0, move |_| {
+            // Inline on this thread: the other request is sent and answered meanwhile.
+            std::thread::spawn(move || {
+                let decided_on = futures::executor::block_on(
+                    other.submit(1, |_| Ok(std::thread::current().id())),
+                );
+                sent.send((decided_on.unwrap(), std::thread::current().id()))
+                    .unwrap();
+            })
+            .join()
+            .unwrap();
+            Ok(())
+        }))
+        .unwrap();
+        beside.recv().unwrap()
+    }
+
+    #[test]
+    fn no_more_callers_commit_inline_at_once_than_allowed() {
+        // Two allowed: the other thread commits its lone request inline too.
+        let (decided_on, sender) = decided_beside_an_inline_commit(2);
+        assert_eq!(decided_on, sender);
+        // One allowed, and this thread holds it: the request goes to its sequencer's thread.
+        let (decided_on, sender) = decided_beside_an_inline_commit(1);
+        assert_ne!(decided_on, sender);
     }
 }

@@ -61,9 +61,16 @@ impl<S: Store> FenceService<S> {
     }
 
     /// Whether a lone request may be decided on the thread that received it (see
-    /// [`Sequencer::set_inline`]; on by default).
+    /// [`Sequencer::set_inline_callers`]; off until this is called). When on, as many
+    /// callers as the current tokio runtime has workers, less one, may do so at once: none
+    /// on a one-worker runtime (or outside one), where a blocked worker would leave every
+    /// other request unread.
     pub fn with_inline_commit(self, on: bool) -> Self {
-        self.sequencer.set_inline(on);
+        let workers = tokio::runtime::Handle::try_current()
+            .map(|rt| rt.metrics().num_workers())
+            .unwrap_or(1);
+        self.sequencer
+            .set_inline_callers(if on { workers.saturating_sub(1) } else { 0 });
         self
     }
 
@@ -653,5 +660,39 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
             })
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::ledger::LedgerConfig;
+    use crate::store::MemStore;
+
+    /// The inline callers a service allows, built with `on` inside a runtime of `workers`.
+    fn inline_callers(workers: usize, on: bool) -> usize {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let ledger = Arc::new(Ledger::new(
+                MemStore::default(),
+                Arc::new(ManualClock::new(1_700_000_000_000)),
+                LedgerConfig::default(),
+            ));
+            let service = FenceService::with_sequencers(ledger, 1).with_inline_commit(on);
+            service.sequencer.inline_callers()
+        })
+    }
+
+    #[test]
+    fn inline_commits_leave_one_runtime_worker_free() {
+        // One worker: a caller blocked in a sync would leave every other request unread.
+        assert_eq!(inline_callers(1, true), 0);
+        assert_eq!(inline_callers(2, true), 1);
+        assert_eq!(inline_callers(4, true), 3);
+        assert_eq!(inline_callers(4, false), 0);
     }
 }
