@@ -123,6 +123,12 @@ pub struct Config {
     #[arg(long, env = "FENCE_BLOCK_CACHE_MB", default_value_t = 128)]
     pub block_cache_mb: usize,
 
+    /// RocksDB memtable size, in MiB: what is written is held in this many (two at most, one
+    /// being flushed) before it goes to a table file. Smaller ones make each write's insert
+    /// cheaper (a shallower skip list) and flush more often.
+    #[arg(long, env = "FENCE_MEMTABLE_MB", default_value_t = 64)]
+    pub memtable_mb: usize,
+
     /// Concurrent requests (HTTP/2 streams) one connection may have open; more wait. With
     /// --max-page-bytes, this bounds what one connection that never reads its responses can
     /// make the server buffer (about streams x 6 x page bytes, measured).

@@ -26,6 +26,8 @@ pub const LEDGER_CF: &str = "ledger";
 pub struct StoreOptions {
     /// Block cache size in bytes.
     pub block_cache_bytes: usize,
+    /// Memtable size in bytes (RocksDB's `write_buffer_size`).
+    pub memtable_bytes: usize,
     /// Sync the WAL before a write returns. Only a bulk load that closes the store before
     /// anything is served may turn this off: an unsynced write can be lost to a machine
     /// crash, and nothing served from this store may depend on one. Without it writes go
@@ -41,6 +43,7 @@ impl Default for StoreOptions {
     fn default() -> Self {
         Self {
             block_cache_bytes: 128 << 20,
+            memtable_bytes: 64 << 20,
             sync_writes: true,
             wal_prime_bytes: 0,
         }
@@ -146,6 +149,7 @@ fn db_options(opts: &StoreOptions) -> Result<(Options, Vec<ColumnFamilyDescripto
     table.set_block_cache(&Cache::new_lru_cache(opts.block_cache_bytes));
     let mut cf_opts = Options::default();
     cf_opts.set_block_based_table_factory(&table);
+    cf_opts.set_write_buffer_size(opts.memtable_bytes.max(1 << 20));
     // The same for the memtable: a bloom filter over its whole keys answers a lookup of a key
     // it does not hold without searching its skip list (a binary search over hundreds of
     // thousands of keys that shared long prefixes was a fifth of fenced's CPU under load).
@@ -705,6 +709,47 @@ mod tests {
 
     /// The prime leaves the live WAL at least its size, and what is written into it (past
     /// its end too) reads back after reopening, primed or not, with nothing dropped.
+    #[test]
+    fn writes_go_to_table_files_once_they_pass_the_memtable_size() {
+        // Table-file bytes after `mib` MiB of writes under `memtable_bytes`, waiting up to
+        // `wait` for a background flush.
+        let sst_bytes = |memtable_bytes: usize, mib: u32, wait: std::time::Duration| {
+            let dir = tempfile::tempdir().unwrap();
+            let opts = StoreOptions {
+                memtable_bytes,
+                ..StoreOptions::default()
+            };
+            let s = RocksStore::open(dir.path(), &opts).unwrap();
+            for i in 0..mib * 16 {
+                let mut b = Batch::new();
+                b.put(i.to_be_bytes().to_vec(), vec![7u8; 64 << 10]);
+                s.write(b).unwrap();
+            }
+            let sst = || {
+                s.engine.with_db_for_read(|db| {
+                    Ok(db
+                        .property_int_value_cf(cf(db), "rocksdb.total-sst-files-size")
+                        .map_err(engine)?
+                        .unwrap_or(0))
+                })
+            };
+            let deadline = std::time::Instant::now() + wait;
+            while sst().unwrap() == 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            sst().unwrap()
+        };
+        let none = std::time::Duration::ZERO;
+        assert_eq!(
+            sst_bytes(64 << 20, 4, none),
+            0,
+            "4 MiB fit a 64 MiB memtable"
+        );
+        // Flushes run in the background.
+        let flushed = sst_bytes(1 << 20, 4, std::time::Duration::from_secs(10));
+        assert!(flushed > 0, "4 MiB pass a 1 MiB memtable");
+    }
+
     #[test]
     fn a_primed_wal_is_the_live_one_and_keeps_every_write() {
         let dir = tempfile::tempdir().unwrap();
