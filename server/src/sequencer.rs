@@ -40,8 +40,8 @@ use crate::store::{Store, StoreError};
 const MAX_GROUP: usize = 512;
 
 /// Lone groups in a row after which a lone request is decided inline (see
-/// [`Sequencer::set_inline_callers`]): with two or more callers, requests often arrive one at a time
-/// but overlap, and one decided inline holds the next back from its group.
+/// [`Sequencer::set_inline_callers`]): with two or more callers, requests often arrive one at
+/// a time but overlap, and one decided inline holds the next back from its group.
 const LONE_STREAK: u32 = 4;
 
 /// One queued request: decided inside the group's section, answered after its sync.
