@@ -125,7 +125,7 @@ pub struct Config {
 
     /// RocksDB memtable size, in MiB: what is written is held in this many (two at most, one
     /// being flushed) before it goes to a table file. Smaller ones make each write's insert
-    /// cheaper (a shallower skip list) and flush more often.
+    /// cheaper (a shallower skip list) and flush more often. At least 1 (0 is taken as 1).
     #[arg(long, env = "FENCE_MEMTABLE_MB", default_value_t = 64)]
     pub memtable_mb: usize,
 

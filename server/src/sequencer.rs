@@ -649,9 +649,9 @@ mod tests {
         assert_eq!(next, vec![here]);
     }
 
-    /// While `holder` commits inline on route 0 (sequencer 0), a lone request on route 1
-    /// (sequencer 1, its streak reached) is sent from another thread: the thread it was
-    /// decided on, and that other thread's id.
+    /// While this thread commits a lone request inline on route 0 (sequencer 0), a lone
+    /// request on route 1 (sequencer 1, its streak reached) is sent from another thread: the
+    /// thread it was decided on, and that other thread's id.
     fn decided_beside_an_inline_commit(
         callers: usize,
     ) -> (std::thread::ThreadId, std::thread::ThreadId) {
@@ -666,7 +666,8 @@ mod tests {
         });
         let (sent, beside) = std::sync::mpsc::channel();
         let other = seq.clone();
-        futures::executor::block_on(seq.submit(0, move |_| {
+        let here = std::thread::current().id();
+        let held_on = futures::executor::block_on(seq.submit(0, move |_| {
             // Inline on this thread: the other request is sent and answered meanwhile.
             std::thread::spawn(move || {
                 let decided_on = futures::executor::block_on(
@@ -677,9 +678,10 @@ mod tests {
             })
             .join()
             .unwrap();
-            Ok(())
+            Ok(std::thread::current().id())
         }))
         .unwrap();
+        assert_eq!(held_on, here, "the first request holds an inline place");
         beside.recv().unwrap()
     }
 

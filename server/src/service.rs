@@ -666,9 +666,6 @@ impl<S: Store> pb::fence_server::Fence for FenceService<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
-    use crate::ledger::LedgerConfig;
-    use crate::store::MemStore;
 
     /// The inline callers a service allows, built with `on` inside a runtime of `workers`.
     fn inline_callers(workers: usize, on: bool) -> usize {
@@ -677,11 +674,7 @@ mod tests {
             .build()
             .unwrap();
         rt.block_on(async {
-            let ledger = Arc::new(Ledger::new(
-                MemStore::default(),
-                Arc::new(ManualClock::new(1_700_000_000_000)),
-                LedgerConfig::default(),
-            ));
+            let ledger = Arc::new(crate::ledger::test_support::pay_ledger());
             let service = FenceService::with_sequencers(ledger, 1).with_inline_commit(on);
             service.sequencer.inline_callers()
         })

@@ -22,7 +22,7 @@ pub mod outcome;
 pub mod records;
 pub mod runs;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 pub mod tools;
 pub mod types;
 pub mod verify;
