@@ -10,7 +10,10 @@
 //! - no recorded occurrence is executed twice: the world never holds more effects of an intent
 //!   than the agent made distinct calls of it (across retries, restores and forks);
 //! - a replay answers a call only with an effect of the same intent;
-//! - a call whose intent did not change is never refused FORK_REQUIRED.
+//! - a call whose intent did not change is never refused FORK_REQUIRED;
+//! - a changed call where the call it replaces is certainly due (that call made an effect,
+//!   and since the restore the agent re-issued only unchanged steps of the restored branch and
+//!   did not fork) is refused FORK_REQUIRED: it never runs on the branch unasked.
 
 mod common;
 
@@ -135,6 +138,13 @@ struct Agent<'h> {
     /// changed call, or steps it re-issues were done on another branch or changed before):
     /// a call where a recorded effect is due may then rightly be refused FORK_REQUIRED.
     diverged: bool,
+    /// A changed call re-issued where the call it replaces is certainly due (that call made
+    /// an effect, every step re-issued since the restore is unchanged and on the restored
+    /// branch, and the agent has not forked since): it
+    /// must be refused FORK_REQUIRED, never executed on the branch without a fork.
+    must_fork: Option<u32>,
+    /// The logical calls that made an effect of their own.
+    executed: HashSet<u32>,
 }
 
 fn args(intent: u32, attempt: u32) -> String {
@@ -182,10 +192,18 @@ impl Agent<'_> {
         });
         match answer {
             Decision::Execute { receipt, .. } => {
+                prop_assert!(
+                    self.must_fork != Some(call.id),
+                    "a changed call was executed without a fork while the call it replaces was \
+                     due (call {}, intent {})",
+                    call.id,
+                    call.intent
+                );
                 // The n-th occurrence of an intent is executed at most once: the world never
                 // holds more effects of an intent than the agent made distinct calls of it.
                 // (A call may be answered with an equal effect another call of the same intent
                 // made: intent, not the agent's bookkeeping, is what identifies an occurrence.)
+                self.executed.insert(call.id);
                 let effects = self.effects.entry(call.intent).or_default();
                 effects.insert(receipt.seq);
                 let calls = self.calls.get(&call.intent).map_or(0, HashSet::len);
@@ -300,6 +318,7 @@ impl Agent<'_> {
                         .unwrap();
                     self.branch = forked.branch.name;
                     self.diverged = false;
+                    self.must_fork = None;
                     let again = self.begin(c, &parent, true)?;
                     prop_assert!(
                         !matches!(again, Answer::MustFork),
@@ -374,6 +393,8 @@ fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
         calls: HashMap::new(),
         effects: HashMap::new(),
         diverged: false,
+        must_fork: None,
+        executed: HashSet::new(),
     };
     agent.save("cp-0", "");
     for ev in events {
@@ -414,6 +435,7 @@ fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
                 trace(|| format!("restore {name} -> {} tape {tape:?}", restored.branch));
                 agent.epoch = restored.epoch;
                 agent.branch = restored.branch;
+                let restored_branch = agent.branch.clone();
                 let keep = after.map_or(0, |i| i + 1);
                 let redo: Vec<Step> = agent.steps.split_off(keep);
                 agent.diverged = redo.iter().any(|s| s.branch != agent.branch || s.changed);
@@ -423,6 +445,12 @@ fn run_agent(policy: Keys, events: Vec<Event>) -> Result<(), TestCaseError> {
                     let mut calls = step.calls.clone();
                     let mut changed = Vec::new();
                     if drift == Some(i) {
+                        if !agent.diverged
+                            && agent.branch == restored_branch
+                            && agent.executed.contains(&calls[0].id)
+                        {
+                            agent.must_fork = Some(agent.next_id + 1);
+                        }
                         agent.diverged = true;
                         agent.next_id += 1;
                         let c = &mut calls[0];
@@ -724,8 +752,10 @@ fn a_superseded_due_entry_answering_a_new_call_forces_no_fork_later() {
 /// the agent's call 6 back there, answered by e6 carried from the fork. e1 stays due on
 /// main's tape although call 6 superseded it: the re-issued calls 2-5 are matched by intent
 /// to four of e1-e5 and one entry is left over, which a later new call meets. Telling a
-/// superseded entry from one not re-issued yet needs the fork (or the adoption of its effect)
-/// to record which due entry its first call replaced.
+/// superseded entry from one not re-issued yet needs the adoption of the fork's effect to
+/// record which due entry its call replaced; the forms of that tried so far (the first due
+/// entry of the call's causal step, counted by intent against the fork's line) fixed this
+/// case and broke others (see the next tests), so it stays a known, safe-side limitation.
 #[test]
 #[ignore = "known false fork: a forked call taken back to the original branch leaves the entry it superseded due"]
 fn a_forked_call_taken_back_to_its_branch_leaves_no_superseded_entry_due() {
@@ -743,6 +773,173 @@ fn a_forked_call_taken_back_to_its_branch_leaves_no_superseded_entry_due() {
         Retry,
         Restore { to: 1, drift: None },
         step(1, None, false),
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property at PROPTEST_RNG_SEED=12 and PROPTEST_CASES=10000 (in memory) with
+/// the entry-superseding fix tried for the case above: the same false fork, the call forked
+/// from cp-1 coming back to main after a restore to cp-0, under cp-8, the framework's new name
+/// for the state after call 1 (cp-8 sits where cp-1 does in main's log).
+#[test]
+#[ignore = "known false fork: as above, under a new checkpoint name"]
+fn a_forked_call_taken_back_under_a_new_checkpoint_name_supersedes_its_entry() {
+    use Event::*;
+    let events = vec![
+        step(0, None, false),
+        step(0, None, false),
+        step(1, None, false),
+        step(0, Some(1), false),
+        Restore {
+            to: 1,
+            drift: Some(0),
+        },
+        Restore { to: 5, drift: None },
+        Retry,
+        Restore { to: 2, drift: None },
+        step(1, None, false),
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property (seed 12, 10,000 cases in memory) against a first form of the
+/// superseding fix tried above, which let any carried effect supersede a due entry: call 6's own effect e2 (carried by
+/// the restore to cp-11, as it was due there) took the place of e6, call 7's, in their shared
+/// step; call 7 then consumed call 9's entry, and call 9 ran a second time on the fork made
+/// for call 10. A guard for any later form: only another line's effect replaces an entry.
+#[test]
+fn an_effect_carried_from_its_own_branch_supersedes_no_entry_of_its_step() {
+    use Event::*;
+    let events = vec![
+        step(0, None, false),
+        step(3, None, true),
+        Restore {
+            to: 2,
+            drift: Some(1),
+        },
+        step(0, None, false),
+        step(0, None, false),
+        step(3, Some(1), false),
+        Restore { to: 0, drift: None },
+        step(0, Some(1), false),
+        Restore {
+            to: 4,
+            drift: Some(1),
+        },
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property (seed 17, 10,000 cases in memory) once it checked that a changed
+/// call is refused where the call it replaces is due: a missed FORK_REQUIRED. e3, rewound by
+/// the restore to cp-6 and carried, answered call 9 after cp-12; a restore to cp-12 left it
+/// out of the tape (it sits before cp-12 in the log), so call 9 consumed e9, call 10's
+/// effect, and call 11, changed from call 10, ran as new on main. A due entry re-issued after
+/// the checkpoint is due again on a restore to it.
+#[test]
+fn a_carried_entry_reissued_after_a_checkpoint_is_due_on_a_restore_to_it() {
+    use Event::*;
+    let events = vec![
+        step(0, None, false),
+        step(0, None, false),
+        step(3, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        Restore {
+            to: 0,
+            drift: Some(2),
+        },
+        Restore { to: 1, drift: None },
+        step(0, None, false),
+        step(0, Some(3), false),
+        step(3, None, false),
+        Restore {
+            to: 3,
+            drift: Some(4),
+        },
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property (seed 14, 10,000 cases in memory) against the second form of the
+/// superseding fix, before it looked at the fork's line: a double execution. Calls 2 and 3 share a step; call 9 replaced
+/// call 2 on fork-1, where call 3 replayed e3. Back on main, call 9 answered by e9 superseded
+/// e3, the first due entry of its step, though fork-1 had re-issued it; call 3 then consumed
+/// call 8's entry, and call 8 ran again on a later fork. An entry the fork's line holds too
+/// is not the one its effect replaced (a guard for any later form).
+#[test]
+fn a_forked_effect_supersedes_no_entry_its_own_line_reissued() {
+    use Event::*;
+    let events = vec![
+        step(0, None, false),
+        step(2, Some(1), false),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(1, None, false),
+        Restore {
+            to: 0,
+            drift: Some(1),
+        },
+        Restore {
+            to: 1,
+            drift: Some(1),
+        },
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property (seed 17, 10,000 cases in memory) against the third form of the
+/// superseding fix (counted by intent against the fork's line): a false fork. Passes on the
+/// landed ledger; a guard for any later form.
+#[test]
+fn repeated_restores_to_cp0_after_a_drift_force_no_fork() {
+    use Event::*;
+    let events = vec![
+        step(0, None, false),
+        step(0, None, false),
+        Restore {
+            to: 4,
+            drift: Some(0),
+        },
+        Restore { to: 0, drift: None },
+        step(1, None, false),
+        Restore { to: 0, drift: None },
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(1, None, false),
+        Restore { to: 2, drift: None },
+    ];
+    run_agent(Keys::NewPerAttempt, events).unwrap();
+}
+
+/// Found by the property (seed 18, 10,000 cases in memory) against the third form of the
+/// superseding fix: a changed call executed twice. Passes on the landed ledger; a guard for
+/// any later form.
+#[test]
+fn a_changed_call_reissued_after_two_restores_runs_once() {
+    use Event::*;
+    let events = vec![
+        step(0, None, false),
+        step(0, None, false),
+        step(0, None, false),
+        step(2, None, false),
+        step(0, Some(2), false),
+        Restore {
+            to: 3,
+            drift: Some(0),
+        },
+        Restore { to: 0, drift: None },
+        step(0, None, false),
+        step(0, Some(2), false),
+        Restore {
+            to: 5,
+            drift: Some(1),
+        },
+        Restore { to: 4, drift: None },
     ];
     run_agent(Keys::NewPerAttempt, events).unwrap();
 }

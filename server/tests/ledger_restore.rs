@@ -1055,3 +1055,98 @@ fn a_restore_to_a_checkpoint_saved_while_a_tape_was_due_keeps_the_due_effects_do
     // A new intent is a new effect, not refused for what was carried.
     executed(h.begin(&pay("cat", "r5", "cp0-resumed", 3)));
 }
+
+/// A drifted call is refused, forked and done on the fork; a restore to the same checkpoint
+/// on main then takes the agent back there, and its call is answered by the fork's effect.
+/// That effect took the place of the entry first recorded in the call's step: the entry is
+/// no longer due (the calls re-issued after it are matched to their own entries, and no later
+/// call is refused for it), yet stays done (an equivalent call still replays it).
+///
+/// Not the ledger's behaviour yet (ann stays due: a false fork later, safe side); see
+/// `ledger_framework_props::a_forked_call_taken_back_to_its_branch_leaves_no_superseded_entry_due`.
+#[test]
+#[ignore = "known false fork: the entry a forked call superseded stays due"]
+fn a_forked_effect_taken_back_to_main_supersedes_the_due_entry_of_its_step() {
+    let h = setup();
+    let save = |id: &str, parent: &str, branch: &str, epoch: u64| {
+        h.ledger
+            .checkpoint(
+                T,
+                &CheckpointCmd {
+                    run_id: "run".into(),
+                    branch: branch.into(),
+                    epoch,
+                    checkpoint_id: id.into(),
+                    parent_checkpoint_id: parent.into(),
+                },
+            )
+            .unwrap();
+    };
+    let pay = |to: &str, reference: &str, parent: &str, branch: &str, epoch: u64| BeginCmd {
+        parent_checkpoint_id: parent.into(),
+        ..on(
+            epoch,
+            branch,
+            call("run", TRANSFER, &transfer(to, 5, reference)),
+        )
+    };
+    save("cp0", "", "", 1);
+    let ann = executed(h.begin(&pay("ann", "r1", "cp0", "", 1)));
+    complete(&h, &ann, "tx-ann");
+    save("cp1", "cp0", "", 1);
+    let bob = executed(h.begin(&pay("bob", "r2", "cp1", "", 1)));
+    complete(&h, &bob, "tx-bob");
+
+    h.ledger.restore(T, "run", "cp0", 0).unwrap();
+    refused(
+        h.begin(&pay("cat", "r3", "cp0", "", 2)),
+        Reason::ForkRequired,
+    );
+    fork(&h, "cp0", 2, "pay-cat");
+    let cat = executed(h.begin(&pay("cat", "r4", "cp0", "pay-cat", 2)));
+    complete(&h, &cat, "tx-cat");
+
+    // Back on main at cp0: ann and bob due, cat carried from the fork.
+    let restored = h.ledger.restore(T, "run", "cp0", 0).unwrap();
+    assert_eq!(restored.branch, "main");
+    let tape: Vec<u64> = restored.tape.iter().map(|r| r.seq).collect();
+    assert_eq!(tape, [ann.seq, bob.seq]);
+    let again = replayed(h.begin(&pay("cat", "r5", "cp0", "", 3)));
+    assert_eq!(again.id(), cat.id());
+    let main = &h.ledger.get_run(T, "run").unwrap().run.branches[0];
+    assert_eq!(
+        main.tape_seqs,
+        [bob.seq],
+        "cat took ann's place in step cp0"
+    );
+    assert!(main.carried_seqs.contains(&ann.seq), "ann stays done");
+
+    // Bob is still due: anything else is refused for him (fail closed), with his receipt.
+    let before = h.snapshot();
+    let r = refused(
+        h.begin(&pay("dan", "r6", "cp0", "", 3)),
+        Reason::ForkRequired,
+    );
+    assert_eq!(r.receipt.unwrap().id(), bob.id());
+    assert_eq!(before, h.snapshot(), "the refusal changes nothing");
+    save("cp1-again", "cp0", "", 3);
+    let again = replayed(h.begin(&pay("bob", "r7", "cp1-again", "", 3)));
+    assert_eq!(again.id(), bob.id());
+    // Ann's call re-issued anyway replays her transfer: it does not run a second time.
+    let again = replayed(h.begin(&pay("ann", "r8", "cp1-again", "", 3)));
+    assert_eq!(again.id(), ann.id());
+    // With nothing due, a new intent is a new effect.
+    executed(h.begin(&pay("dan", "r9", "cp1-again", "", 3)));
+    let (effects, _) = h
+        .ledger
+        .list_effects(
+            T,
+            &ListQuery {
+                run_id: "run".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(effects.len(), 4, "ann, bob, cat and dan, each once");
+    h.assert_sound();
+}

@@ -883,14 +883,7 @@ impl<S: Store> Ledger<S> {
             }
         }
         // Where the effect sits in this branch's log, if it is in it (adopted ones included).
-        let in_this_log = tape_position
-            .or_else(|| {
-                rec.adopted
-                    .iter()
-                    .find(|a| a.branch == call.branch)
-                    .map(|a| a.position)
-            })
-            .or((rec.branch == call.branch).then_some(rec.position));
+        let in_this_log = tape_position.or_else(|| rec.log_position(call.branch));
         // The effect answers a call descending from a checkpoint not saved yet: that checkpoint
         // must come before it, as before a new effect.
         if let Some(position) = in_this_log
@@ -985,13 +978,7 @@ impl<S: Store> Ledger<S> {
     /// intent slot would count it twice. It is only indexed under the step keys.
     fn adopt(&self, call: &mut Call<'_>, rec: &mut EffectRecord, batch: &mut Batch) -> Result<()> {
         let b = call.branch;
-        let logged = (rec.branch == b).then_some(rec.position).or_else(|| {
-            rec.adopted
-                .iter()
-                .find(|a| a.branch == b)
-                .map(|a| a.position)
-        });
-        let entry = match logged {
+        let entry = match rec.log_position(b) {
             Some(position) => codec::encode(&IndexEntry {
                 seq: rec.seq,
                 position,

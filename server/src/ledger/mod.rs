@@ -667,6 +667,19 @@ impl EffectRecord {
         on(self.branch, self.position) || self.adopted.iter().any(|a| on(a.branch, a.position))
     }
 
+    /// The effect's position in `branch`'s log: where it was recorded, or where that branch
+    /// adopted it; `None` when the log does not hold it.
+    pub fn log_position(&self, branch: u32) -> Option<u64> {
+        (self.branch == branch)
+            .then_some(self.position)
+            .or_else(|| {
+                self.adopted
+                    .iter()
+                    .find(|a| a.branch == branch)
+                    .map(|a| a.position)
+            })
+    }
+
     /// True while a grant's lease is live at `now`.
     pub fn lease_live(&self, now: u64) -> bool {
         matches!(self.state(), State::Accepted | State::Running) && now < self.lease_expires_at_ms

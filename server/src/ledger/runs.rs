@@ -343,6 +343,27 @@ impl<S: Store> Ledger<S> {
                 after.push((rec, position));
             }
         }
+        // What was still due when the checkpoint was taken sits before its position in the
+        // log (a restore had rewound or carried it). One the agent has re-issued since, on
+        // this line (it answered a call named after the checkpoint), is due again like the
+        // rest, in log order; the others stay done (see below).
+        let mut not_reissued = Vec::new();
+        for &seq in &cp.due_seqs {
+            if after.iter().any(|(r, _)| r.seq == seq) {
+                continue;
+            }
+            let rec = self.load_seq(&rk, seq)?;
+            match rec.log_position(cp.branch) {
+                Some(position)
+                    if !rec.parent_checkpoint_id.is_empty()
+                        && self.causally_after(&rk, &rec, &cp, &mut causal)? =>
+                {
+                    after.push((rec, position));
+                }
+                _ => not_reissued.push(seq),
+            }
+        }
+        after.sort_by_key(|(_, position)| *position);
         let (tape, positions): (Vec<EffectRecord>, Vec<u64>) = after.into_iter().unzip();
         // What other branches did after the checkpoint stays done too: carried, so that an
         // equivalent call replays it (the tape itself stays this branch's own log, in order).
@@ -368,10 +389,8 @@ impl<S: Store> Ledger<S> {
         // (What the log holds past the checkpoint on a line that left the checkpoint's history
         // before it, and was not due there, is neither: like a fork from before the restore
         // point, that line is not the agent's.)
-        for &seq in &cp.due_seqs {
-            if !tape.iter().any(|r| r.seq == seq) {
-                branch.carry(seq, cp.branch);
-            }
+        for seq in not_reissued {
+            branch.carry(seq, cp.branch);
         }
         // The agent is back at the checkpoint: that is where its causal step starts.
         branch.last_checkpoint_position = cp.position;
