@@ -6,6 +6,7 @@ mod common;
 use common::*;
 use fence_server::ledger::credentials::CredentialDef;
 use fence_server::ledger::outcome::{ListQuery, OutcomeKey};
+use fence_server::ledger::records::EffectRecord;
 use fence_server::ledger::runs::{CheckpointCmd, ForkCmd};
 use fence_server::ledger::{BeginCmd, CredentialUse, Decision, OpClass, Reason, Recovery, State};
 
@@ -35,6 +36,15 @@ fn checkpoint(h: &Harness, run: &str, branch: &str, epoch: u64, id: &str) {
             },
         )
         .unwrap();
+}
+
+/// Every effect of run "run", on any branch.
+fn all_effects(h: &Harness) -> Vec<EffectRecord> {
+    let query = ListQuery {
+        run_id: "run".into(),
+        ..Default::default()
+    };
+    h.ledger.list_effects(T, &query).unwrap().0
 }
 
 fn on(epoch: u64, branch: &str, cmd: BeginCmd) -> BeginCmd {
@@ -67,16 +77,7 @@ fn a_restored_agent_reissuing_a_committed_transfer_gets_a_replay() {
     // The tape is consumed: the branch is back on the normal path.
     let run = h.ledger.get_run(T, "run").unwrap();
     assert!(run.run.branches[0].tape_seqs.is_empty());
-    let (effects, _) = h
-        .ledger
-        .list_effects(
-            T,
-            &ListQuery {
-                run_id: "run".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let effects = all_effects(&h);
     assert_eq!(effects.len(), 1, "one transfer in the world");
     // A new intent after the tape is consumed is a new effect.
     executed(h.begin(&on(
@@ -165,16 +166,7 @@ fn a_redirected_call_after_restore_requires_a_fork_then_is_a_new_effect() {
         (first.id(), &b"tx-1"[..])
     );
     // The parent's effect stays done and listed; nothing is hidden.
-    let (all, _) = h
-        .ledger
-        .list_effects(
-            T,
-            &ListQuery {
-                run_id: "run".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let all = all_effects(&h);
     assert_eq!(all.len(), 2);
     assert_eq!(all[0].state(), State::Completed);
     // Adopted, the replayed transfer is on the fork's lineage now: a keyless repeat of it is
@@ -394,16 +386,7 @@ fn five_crash_restore_cycles_still_make_one_effect() {
         assert_eq!(again.id(), rec.id());
         // Sometimes the agent crashes right after the replay and checkpoints nothing new.
     }
-    let (all, _) = h
-        .ledger
-        .list_effects(
-            T,
-            &ListQuery {
-                run_id: "run".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let all = all_effects(&h);
     assert_eq!(all.len(), 1);
     assert_eq!(all[0].replays, 5);
     assert_eq!(h.ledger.get_run(T, "run").unwrap().restores.len(), 5);
@@ -877,16 +860,7 @@ fn a_second_fork_from_the_same_point_replays_what_the_first_one_did() {
         "f2",
         call("run", TRANSFER, &transfer("bob", 1, "g")),
     )));
-    let (all, _) = h
-        .ledger
-        .list_effects(
-            T,
-            &ListQuery {
-                run_id: "run".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let all = all_effects(&h);
     assert_eq!(
         all.len(),
         4,
@@ -951,16 +925,7 @@ fn a_carried_intent_replays_under_a_new_step_key() {
         keyed("run", "s0-g2", TRANSFER, &transfer("bob", 64, "f")),
     )));
     assert_eq!(by_key.id(), big.id());
-    let (all, _) = h
-        .ledger
-        .list_effects(
-            T,
-            &ListQuery {
-                run_id: "run".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let all = all_effects(&h);
     assert_eq!(all.len(), 2, "one transfer of 8 and one of 64");
 }
 
@@ -1137,16 +1102,7 @@ fn a_forked_effect_taken_back_to_main_supersedes_the_due_entry_of_its_step() {
     assert_eq!(again.id(), ann.id());
     // With nothing due, a new intent is a new effect.
     executed(h.begin(&pay("dan", "r9", "cp1-again", "", 3)));
-    let (effects, _) = h
-        .ledger
-        .list_effects(
-            T,
-            &ListQuery {
-                run_id: "run".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+    let effects = all_effects(&h);
     assert_eq!(effects.len(), 4, "ann, bob, cat and dan, each once");
     h.assert_sound();
 }

@@ -346,7 +346,8 @@ impl<S: Store> Ledger<S> {
         // What was still due when the checkpoint was taken sits before its position in the
         // log (a restore had rewound or carried it). One the agent has re-issued since, on
         // this line (it answered a call named after the checkpoint), is due again like the
-        // rest, in log order; the others stay done (see below).
+        // rest, in log order; the others stay done (see below). One naming no checkpoint
+        // cannot be placed after it, so it stays done as before.
         let mut not_reissued = Vec::new();
         for &seq in &cp.due_seqs {
             if after.iter().any(|(r, _)| r.seq == seq) {
