@@ -512,7 +512,7 @@ impl<S: Store> Ledger<S> {
         //    recorded one, whatever step key the call carries: frameworks mint new keys after
         //    time travel, and restore matches as a fork does (the new key becomes an alias).
         if !tape.is_empty()
-            && let Some(seq) = self.earliest_intent_among(call, &here, tape)?
+            && let Some(seq) = self.earliest_intent_among(call, &here, tape, None)?
         {
             return Ok(Match::Existing {
                 rec: self.load_seq(&call.rk, seq)?,
@@ -662,13 +662,15 @@ impl<S: Store> Ledger<S> {
                 }));
             }
         }
-        Ok(match self.earliest_intent_among(call, &sources, carried)? {
-            Some(seq) => Some(Match::Existing {
-                rec: self.load_seq(&call.rk, seq)?,
-                via: Via::Carried,
-            }),
-            None => None,
-        })
+        Ok(
+            match self.earliest_intent_among(call, &sources, carried, branch.fork_replaces)? {
+                Some(seq) => Some(Match::Existing {
+                    rec: self.load_seq(&call.rk, seq)?,
+                    via: Via::Carried,
+                }),
+                None => None,
+            },
+        )
     }
 
     /// The effect among `seqs` that one of `branches` indexes under the call's step key.
@@ -689,14 +691,18 @@ impl<S: Store> Ledger<S> {
     }
 
     /// The earliest effect among `seqs` (in their order) that one of `branches` indexes under
-    /// the call's intent: the n-th identical intent matches the n-th recorded one.
+    /// the call's intent: the n-th identical intent matches the n-th recorded one. `last`, if
+    /// among them, is taken only when no other is (a fork's replaced entry: its call was
+    /// changed on the fork, so an identical intent there is another call's).
     fn earliest_intent_among(
         &self,
         call: &Call<'_>,
         branches: &[u32],
         seqs: &[u64],
+        last: Option<u64>,
     ) -> Result<Option<u64>> {
         let mut best: Option<usize> = None;
+        let mut fallback = None;
         for &b in branches {
             for fp in call.fps.distinct() {
                 let prefix = keys::intent_prefix(&call.rk, b, &fp);
@@ -705,13 +711,15 @@ impl<S: Store> Ledger<S> {
                     if call.fps.get(entry.tool_version) != Some(&fp) {
                         continue;
                     }
-                    if let Some(i) = seqs.iter().position(|s| *s == entry.seq) {
+                    if Some(entry.seq) == last && seqs.contains(&entry.seq) {
+                        fallback = Some(entry.seq);
+                    } else if let Some(i) = seqs.iter().position(|s| *s == entry.seq) {
                         best = Some(best.map_or(i, |b| b.min(i)));
                     }
                 }
             }
         }
-        Ok(best.map(|i| seqs[i]))
+        Ok(best.map(|i| seqs[i]).or(fallback))
     }
 
     /// How many effects of this intent the call's lineage holds, and the latest one.
@@ -867,17 +875,25 @@ impl<S: Store> Ledger<S> {
         let mut counted = false;
         let mut tape_position = None;
         let state_before = rec.state;
+        // The due entry this call consumes, if any (a late checkpoint must count it as due).
+        let mut consumed = None;
         match via {
             Via::Lineage => {}
             Via::Tape => {
                 let branch = &mut call.run.branches[call.branch as usize];
                 tape_position = branch.take_from_tape(rec.seq);
+                consumed = tape_position.map(|_| rec.seq);
                 if branch.tape_seqs.is_empty() {
                     branch.restored_from_checkpoint.clear();
                 }
                 batch.put(keys::run(&call.rk), codec::encode(&call.run));
             }
             Via::Carried => {
+                consumed = call
+                    .branch()
+                    .carried_seqs
+                    .contains(&rec.seq)
+                    .then_some(rec.seq);
                 self.adopt(&mut call, &mut rec, &mut batch)?;
                 rec_changed = true;
             }
@@ -887,7 +903,7 @@ impl<S: Store> Ledger<S> {
         // The effect answers a call descending from a checkpoint not saved yet: that checkpoint
         // must come before it, as before a new effect.
         if let Some(position) = in_this_log
-            && self.note_open_step(&mut call, position)?
+            && self.note_open_step(&mut call, position, consumed)?
         {
             batch.put(keys::run(&call.rk), codec::encode(&call.run));
         }
@@ -1001,7 +1017,25 @@ impl<S: Store> Ledger<S> {
                 batch.put(step, entry.clone());
             }
         }
-        call.run.branches[b as usize].uncarry(rec.seq);
+        // A fork's effect the agent brings back here took the place of an entry due here:
+        // that entry is not re-issued any more (the agent did this instead), so it is no
+        // longer due, only done (carried: an equivalent call still replays it).
+        let replaced = match rec.supersedes {
+            Some(seq) if call.branch().tape_seqs.contains(&seq) => {
+                let replaced = self.load_seq(&call.rk, seq)?;
+                rec.took_place_of(&replaced).then_some(seq)
+            }
+            _ => None,
+        };
+        let branch = &mut call.run.branches[b as usize];
+        branch.uncarry(rec.seq);
+        if let Some(replaced) = replaced {
+            branch.take_from_tape(replaced);
+            branch.carry(replaced, b);
+            if branch.tape_seqs.is_empty() {
+                branch.restored_from_checkpoint.clear();
+            }
+        }
         batch.put(keys::run(&call.rk), codec::encode(&call.run));
         Ok(())
     }
@@ -1093,7 +1127,13 @@ impl<S: Store> Ledger<S> {
                 ),
             });
         }
-        let rec = self.new_effect_record(&call, seq, occurrence);
+        let mut rec = self.new_effect_record(&call, seq, occurrence);
+        // A fork's first new effect is the call it was forked for: it replaces the entry that
+        // call was refused for (see `adopt`).
+        let branch = &mut call.run.branches[call.branch as usize];
+        let replaces = branch.fork_replaces.filter(|_| !branch.fork_replaced);
+        branch.fork_replaced |= replaces.is_some();
+        rec.supersedes = replaces;
         let index = IndexEntry {
             seq,
             position: rec.position,
@@ -1126,12 +1166,17 @@ impl<S: Store> Ledger<S> {
         }
         call.run.next_seq = seq + 1;
         let noted = note_tool_version(&mut call.run, &rec.tool, rec.tool_version);
-        let opened = self.note_open_step(&mut call, rec.position)?;
+        let opened = self.note_open_step(&mut call, rec.position, None)?;
         call.run.branches[call.branch as usize].length += 1;
         // The stored record's counts may lag (readers catch them up from the branch logs, see
         // `Ledger::catch_up_run`); it is written when anything else in it changes, and every
         // `RUN_RECORD_EVERY` effects so that catching up stays short.
-        if call.new || noted || opened || seq.is_multiple_of(super::RUN_RECORD_EVERY) {
+        if call.new
+            || noted
+            || opened
+            || replaces.is_some()
+            || seq.is_multiple_of(super::RUN_RECORD_EVERY)
+        {
             batch.put(keys::run(&call.rk), codec::encode(&call.run));
         }
         if call.new {
@@ -1147,8 +1192,14 @@ impl<S: Store> Ledger<S> {
     /// Remembers where the first effect naming a not yet recorded checkpoint sits in the
     /// branch's log: the checkpoint, when it arrives late, is placed before it (see
     /// [`Ledger::checkpoint`]).
-    /// Returns whether the run record changed.
-    fn note_open_step(&self, call: &mut Call<'_>, position: u64) -> Result<bool> {
+    /// `consumed` is the due entry the call consumed (it was due where the checkpoint
+    /// belongs). Returns whether the run record changed.
+    fn note_open_step(
+        &self,
+        call: &mut Call<'_>,
+        position: u64,
+        consumed: Option<u64>,
+    ) -> Result<bool> {
         let parent = &call.cmd.parent_checkpoint_id;
         let branch = call.branch();
         if parent.is_empty()
@@ -1161,7 +1212,13 @@ impl<S: Store> Ledger<S> {
         {
             return Ok(false);
         }
-        let open = &mut call.run.branches[call.branch as usize].open_steps;
+        let branch = &mut call.run.branches[call.branch as usize];
+        let due_seqs = consumed
+            .into_iter()
+            .chain(branch.tape_seqs.iter().copied())
+            .chain(branch.carried_seqs.iter().copied())
+            .collect();
+        let open = &mut branch.open_steps;
         if open.len() >= MAX_OPEN_STEPS {
             // A checkpoint that never arrived; forgetting it only places it by arrival.
             open.remove(0);
@@ -1169,6 +1226,7 @@ impl<S: Store> Ledger<S> {
         open.push(OpenStep {
             checkpoint_id: parent.clone(),
             position,
+            due_seqs,
         });
         Ok(true)
     }

@@ -680,6 +680,13 @@ impl EffectRecord {
             })
     }
 
+    /// Did this effect take `replaced`'s place (see [`EffectRecord::supersedes`])? Only where
+    /// its own branch did not re-issue `replaced` as well: a line that did both replaced
+    /// nothing.
+    pub fn took_place_of(&self, replaced: &EffectRecord) -> bool {
+        self.supersedes == Some(replaced.seq) && replaced.log_position(self.branch).is_none()
+    }
+
     /// True while a grant's lease is live at `now`.
     pub fn lease_live(&self, now: u64) -> bool {
         matches!(self.state(), State::Accepted | State::Running) && now < self.lease_expires_at_ms

@@ -104,6 +104,16 @@ pub struct BranchRecord {
     /// it as its parent, the common case).
     #[prost(string, tag = "16")]
     pub last_checkpoint_id: String,
+    /// The parent's due entry this branch was forked to replace: the first entry of the
+    /// parent's pending tape when the branch was forked from a checkpoint it was due at (the
+    /// call refused FORK_REQUIRED was refused for it). The branch's first new effect takes
+    /// its place (`EffectRecord::supersedes`), so among carried effects of one intent it is
+    /// the last to answer a call here.
+    #[prost(uint64, optional, tag = "17")]
+    pub fork_replaces: Option<u64>,
+    /// The branch's first new effect has been recorded (and took `fork_replaces` over).
+    #[prost(bool, tag = "18")]
+    pub fork_replaced: bool,
 }
 
 /// A checkpoint effects descend from that is not recorded yet.
@@ -115,6 +125,12 @@ pub struct OpenStep {
     /// The log position of the first effect that named it.
     #[prost(uint64, tag = "2")]
     pub position: u64,
+    /// The effects due on the branch (its tape and carried effects) just before that first
+    /// effect's call was answered: what was due where the checkpoint belongs, including what
+    /// that call and the later ones consumed before it was saved
+    /// (`CheckpointRecord::due_seqs`).
+    #[prost(uint64, repeated, tag = "3")]
+    pub due_seqs: Vec<u64>,
 }
 
 /// A checkpoint: a named position in a branch's log.
@@ -404,6 +420,13 @@ pub struct EffectRecord {
     /// so a retry there is a repeat of it. Bounded; the latest kept.
     #[prost(string, repeated, tag = "41")]
     pub answered_steps: Vec<String>,
+    /// The due entry this effect was made in place of: it is the first new effect of a
+    /// branch forked after a FORK_REQUIRED (`BranchRecord::fork_replaces`). Where it is
+    /// adopted back onto a branch that has that entry due, the entry is due no longer: the
+    /// agent followed the fork at that step. It stays done there (carried), so an equivalent
+    /// call still replays it.
+    #[prost(uint64, optional, tag = "42")]
+    pub supersedes: Option<u64>,
 }
 
 /// An effect's place in the log of a branch that adopted it.

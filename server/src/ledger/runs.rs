@@ -270,12 +270,20 @@ impl<S: Store> Ledger<S> {
         // the end of the log: restoring to this checkpoint later must replay from there. And a
         // checkpoint saved late comes before the first effect that named it as its parent.
         let mut position = b.tape_positions.iter().copied().min().unwrap_or(b.length);
+        let mut due_seqs: Vec<u64> = b.tape_seqs.iter().chain(&b.carried_seqs).copied().collect();
         if let Some(i) = b
             .open_steps
             .iter()
             .position(|o| o.checkpoint_id == cmd.checkpoint_id)
         {
-            position = position.min(b.open_steps.remove(i).position);
+            let open = b.open_steps.remove(i);
+            position = position.min(open.position);
+            // What was due where it belongs, though consumed since, was due at it too.
+            for seq in open.due_seqs {
+                if !due_seqs.contains(&seq) {
+                    due_seqs.push(seq);
+                }
+            }
         }
         let b = &run.branches[branch as usize];
         let record = CheckpointRecord {
@@ -287,7 +295,7 @@ impl<S: Store> Ledger<S> {
             ordinal: run.checkpoint_count,
             branch_name: b.name.clone(),
             parent_checkpoint_id: cmd.parent_checkpoint_id.clone(),
-            due_seqs: b.tape_seqs.iter().chain(&b.carried_seqs).copied().collect(),
+            due_seqs,
             log_length: b.length,
         };
         run.checkpoint_count += 1;
@@ -359,11 +367,36 @@ impl<S: Store> Ledger<S> {
                     if !rec.parent_checkpoint_id.is_empty()
                         && self.causally_after(&rk, &rec, &cp, &mut causal)? =>
                 {
-                    after.push((rec, position));
+                    // Its place is after the checkpoint, where it was re-issued: the agent
+                    // restored there is at the checkpoint, not before it (a checkpoint saved
+                    // while it is due must not sit before this one).
+                    after.push((rec, position.max(cp.position)));
                 }
                 _ => not_reissued.push(seq),
             }
         }
+        // An entry a fork's effect took the place of on this line, that effect adopted here
+        // after the checkpoint too, is done, not due: the agent followed the fork at that step.
+        // It took that entry's place in the line, too: the tape holds it where the entry was
+        // (an entry precedes what supersedes it, so in sequence order a chain of them ends at
+        // the first one's place).
+        after.sort_by_key(|(r, _)| r.seq);
+        let mut superseded = Vec::new();
+        for i in 0..after.len() {
+            let (done, later) = after.split_at_mut(i);
+            let taker = &mut later[0];
+            if let Some((replaced, place)) = done.iter().find(|(r, _)| taker.0.took_place_of(r)) {
+                superseded.push(replaced.seq);
+                taker.1 = *place;
+            }
+        }
+        after.retain(|(r, _)| {
+            let keep = !superseded.contains(&r.seq);
+            if !keep {
+                not_reissued.push(r.seq);
+            }
+            keep
+        });
         after.sort_by_key(|(_, position)| *position);
         let (tape, positions): (Vec<EffectRecord>, Vec<u64>) = after.into_iter().unzip();
         // What other branches did after the checkpoint stays done too: carried, so that an
@@ -611,8 +644,16 @@ impl<S: Store> Ledger<S> {
                 carried.push((rec, source));
             }
         }
+        // Forked, while entries are due on the parent, from a checkpoint they were due at (the
+        // one the parent was restored to, or one saved since): the agent was refused for the
+        // first of them and forks to do something else in its place.
+        let parent = &run.branches[cp.branch as usize];
+        let fork_replaces = parent.tape_seqs.first().copied().filter(|head| {
+            parent.restored_from_checkpoint == cp.checkpoint_id || cp.due_seqs.contains(head)
+        });
         let mut branch = BranchRecord {
             name,
+            fork_replaces,
             parent: Some(cp.branch),
             fork_position: cp.position,
             forked_from_checkpoint: cp.checkpoint_id.clone(),
