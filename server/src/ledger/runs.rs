@@ -385,6 +385,10 @@ impl<S: Store> Ledger<S> {
         for i in 0..after.len() {
             let (done, later) = after.split_at_mut(i);
             let taker = &mut later[0];
+            // Only a fork's first new effect supersedes: the common tape does no search.
+            if taker.0.supersedes.is_none() {
+                continue;
+            }
             if let Some((replaced, place)) = done.iter().find(|(r, _)| taker.0.took_place_of(r)) {
                 superseded.push(replaced.seq);
                 taker.1 = *place;
