@@ -883,9 +883,6 @@ impl<S: Store> Ledger<S> {
                 let branch = &mut call.run.branches[call.branch as usize];
                 tape_position = branch.take_from_tape(rec.seq);
                 consumed = tape_position.map(|_| rec.seq);
-                if branch.tape_seqs.is_empty() {
-                    branch.restored_from_checkpoint.clear();
-                }
                 batch.put(keys::run(&call.rk), codec::encode(&call.run));
             }
             Via::Carried => {
@@ -1032,9 +1029,6 @@ impl<S: Store> Ledger<S> {
         if let Some(replaced) = replaced {
             branch.take_from_tape(replaced);
             branch.carry(replaced, b);
-            if branch.tape_seqs.is_empty() {
-                branch.restored_from_checkpoint.clear();
-            }
         }
         batch.put(keys::run(&call.rk), codec::encode(&call.run));
         Ok(())
@@ -1213,11 +1207,7 @@ impl<S: Store> Ledger<S> {
             return Ok(false);
         }
         let branch = &mut call.run.branches[call.branch as usize];
-        let due_seqs = consumed
-            .into_iter()
-            .chain(branch.tape_seqs.iter().copied())
-            .chain(branch.carried_seqs.iter().copied())
-            .collect();
+        let due_seqs = consumed.into_iter().chain(branch.due_seqs()).collect();
         let open = &mut branch.open_steps;
         if open.len() >= MAX_OPEN_STEPS {
             // A checkpoint that never arrived; forgetting it only places it by arrival.

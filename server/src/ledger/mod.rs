@@ -610,7 +610,17 @@ impl records::BranchRecord {
     pub fn take_from_tape(&mut self, seq: u64) -> Option<u64> {
         let i = self.tape_seqs.iter().position(|s| *s == seq)?;
         self.tape_seqs.remove(i);
+        if self.tape_seqs.is_empty() {
+            // Nothing is due any more: the branch is no longer replaying that restore.
+            self.restored_from_checkpoint.clear();
+        }
         Some(self.tape_positions.remove(i))
+    }
+
+    /// What is due on the branch: its tape, then its carried effects (what a checkpoint
+    /// saved now records as due at it).
+    pub fn due_seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.tape_seqs.iter().chain(&self.carried_seqs).copied()
     }
 }
 

@@ -270,7 +270,7 @@ impl<S: Store> Ledger<S> {
         // the end of the log: restoring to this checkpoint later must replay from there. And a
         // checkpoint saved late comes before the first effect that named it as its parent.
         let mut position = b.tape_positions.iter().copied().min().unwrap_or(b.length);
-        let mut due_seqs: Vec<u64> = b.tape_seqs.iter().chain(&b.carried_seqs).copied().collect();
+        let mut due_seqs: Vec<u64> = b.due_seqs().collect();
         if let Some(i) = b
             .open_steps
             .iter()
