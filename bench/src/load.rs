@@ -1046,3 +1046,44 @@ impl InProcess {
         let _ = (&mut self.task).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A preload writes no WAL and relies on its flush: what it loaded must be there, and
+    /// answered as recorded, when the data dir is opened as `fenced` opens it.
+    #[test]
+    fn a_preloaded_store_replays_what_it_loaded_after_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        preload(dir.path(), 0, 2_500, 1).unwrap();
+        let config = fence_server::Config::with_data_dir(dir.path());
+        let ledger = fence_server::server::open_ledger(&config, Arc::new(SystemClock)).unwrap();
+        for n in [0, 999, 1_000, 2_499] {
+            let cmd = BeginCmd {
+                run_id: format!("preload-{:09}", n / 1000),
+                tool: TOOL.into(),
+                step_key: format!("s{n}"),
+                arguments_json: arguments(0, n),
+                ..Default::default()
+            };
+            let decision = ledger.begin(TENANT, &cmd).unwrap().decision;
+            assert_eq!(decision.kind(), "replay", "effect {n}");
+        }
+        // A preload continued from where it stopped adds to the same store.
+        drop(ledger);
+        preload(dir.path(), 2_500, 3_000, 1).unwrap();
+        let ledger = fence_server::server::open_ledger(&config, Arc::new(SystemClock)).unwrap();
+        let cmd = BeginCmd {
+            run_id: "preload-000000002".into(),
+            tool: TOOL.into(),
+            step_key: "s2999".into(),
+            arguments_json: arguments(0, 2_999),
+            ..Default::default()
+        };
+        assert_eq!(
+            ledger.begin(TENANT, &cmd).unwrap().decision.kind(),
+            "replay"
+        );
+    }
+}

@@ -31,7 +31,8 @@ pub struct StoreOptions {
     /// Sync the WAL before a write returns. Only a bulk load that closes the store before
     /// anything is served may turn this off: an unsynced write can be lost to a machine
     /// crash, and nothing served from this store may depend on one. Without it writes go
-    /// straight to RocksDB, past the commit pipeline.
+    /// straight to RocksDB, past the commit pipeline, and write no WAL: they are durable
+    /// once the store is flushed ([`RocksStore::flush`]) or closed.
     pub sync_writes: bool,
     /// Bytes of write-ahead log written ahead at open (see [`RocksStore::open`]), so that
     /// the syncs of this process's first memtable overwrite space the file already has
@@ -106,6 +107,17 @@ fn write_options(sync: bool) -> WriteOptions {
     w
 }
 
+/// A bulk load's writes (`sync_writes` off): no WAL at all. Its store is flushed to synced
+/// SST files before anything is served from it (see [`StoreOptions::sync_writes`]), so a
+/// log would only be written, never read; without it the load does no write system call
+/// per batch.
+fn bulk_write_options() -> WriteOptions {
+    let mut w = WriteOptions::default();
+    w.set_sync(false);
+    w.disable_wal(true);
+    w
+}
+
 fn open_db(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
     let (db_opts, cfs) = db_options(opts)?;
     DB::open_cf_descriptors(&db_opts, path, cfs).map_err(engine)
@@ -128,8 +140,9 @@ fn db_options(opts: &StoreOptions) -> Result<(Options, Vec<ColumnFamilyDescripto
     db_opts.set_max_background_jobs(2);
     // Let the WAL write of one group overlap the memtable insert of the previous one.
     db_opts.set_enable_pipelined_write(true);
-    // Recycle WAL files instead of creating new ones: fewer metadata fsyncs per segment.
-    db_opts.set_recycle_log_file_num(4);
+    // Recycle WAL files instead of creating new ones: fewer metadata fsyncs per segment. A
+    // bulk load writes no WAL, which RocksDB allows only without recycling.
+    db_opts.set_recycle_log_file_num(if opts.sync_writes { 4 } else { 0 });
 
     let mut table = BlockBasedOptions::default();
     // Most ledger reads are point lookups of keys that do not exist yet (a new step key, a
@@ -550,7 +563,12 @@ impl Engine {
         if sync {
             crate::metrics::wal_sync();
         }
-        let result = self.with_db(|db| db.write_opt(batch, &write_options(sync)).map_err(engine));
+        let options = if self.opts.sync_writes {
+            write_options(sync)
+        } else {
+            bulk_write_options()
+        };
+        let result = self.with_db(|db| db.write_opt(batch, &options).map_err(engine));
         if result.is_err() {
             // RocksDB may now refuse every write until reopened; do that on the next call.
             self.needs_reopen.store(true, Ordering::Release);
@@ -1031,6 +1049,31 @@ mod tests {
         }
         let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
         assert_eq!(s.get(&[7, 1]).unwrap(), Some(vec![1]));
+    }
+
+    /// A bulk load writes no WAL; closing the store flushes what it wrote.
+    #[test]
+    fn a_bulk_load_is_on_disk_after_the_store_closes() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let bulk = StoreOptions {
+                sync_writes: false,
+                ..StoreOptions::default()
+            };
+            let s = RocksStore::open(dir.path(), &bulk).unwrap();
+            let mut b = Batch::new();
+            b.put(vec![7, 2], vec![2]);
+            s.write(b).unwrap();
+        }
+        let logged: u64 = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .sum();
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        assert_eq!(s.get(&[7, 2]).unwrap(), Some(vec![2]));
+        assert!(logged < 1024, "a bulk load wrote {logged} bytes of WAL");
     }
 
     /// A write outside a section is durable on return, so its stamp is covered at once; one
