@@ -480,20 +480,54 @@ pub async fn pg_prepare(url: &str) -> Result<String> {
     ))
 }
 
+/// A Session stream of its own over `channel`.
+fn session_over(channel: Channel) -> Result<fence_client::Session> {
+    Ok(fence_client::FenceClient::builder("unused")
+        .build_with_service(channel)?
+        .session())
+}
+
+/// How Fence's calls travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceTransport {
+    /// One unary RPC per call.
+    Unary,
+    /// Each worker's calls on a Session stream of its own (an agent's session).
+    Session,
+    /// The calls of all the workers on one connection on one Session stream: a process
+    /// hosting many agents behind one client, as the MCP gateway sends its calls (a
+    /// `FenceClient` built with `sessions(true)` shares one stream among its clones).
+    SharedSession,
+}
+
+impl FenceTransport {
+    /// The label of Fence's rows.
+    pub fn label(self) -> &'static str {
+        match self {
+            FenceTransport::Unary => "Fence",
+            FenceTransport::Session => "Fence (session)",
+            FenceTransport::SharedSession => "Fence (shared session)",
+        }
+    }
+}
+
 impl Target {
-    /// Fence over `channels`, on Session streams when `session` is set.
-    pub fn fence(channels: Vec<Channel>, session: bool) -> Target {
-        if session {
-            Target::FenceSession(channels)
-        } else {
-            Target::Fence(channels)
+    /// Fence over `channels`, its calls sent as `transport` says.
+    pub fn fence(channels: Vec<Channel>, transport: FenceTransport) -> Target {
+        match transport {
+            FenceTransport::Unary => Target::Fence(channels),
+            FenceTransport::Session => Target::FenceSession(channels),
+            FenceTransport::SharedSession => Target::FenceSharedSession(channels),
         }
     }
 
     /// The channels of a Fence target.
     pub fn channels(&self) -> Option<&[Channel]> {
         match self {
-            Target::Fence(c) | Target::FenceSession(c) | Target::Health(c) => Some(c),
+            Target::Fence(c)
+            | Target::FenceSession(c)
+            | Target::FenceSharedSession(c)
+            | Target::Health(c) => Some(c),
             Target::Postgres(_) => None,
         }
     }
@@ -506,6 +540,8 @@ pub enum Target {
     Fence(Vec<Channel>),
     /// Fence over these channels, each worker's calls on its own Session stream.
     FenceSession(Vec<Channel>),
+    /// Fence over these channels, the workers on one connection sharing one Session stream.
+    FenceSharedSession(Vec<Channel>),
     /// The standard gRPC health check over these channels, one call per turn: the RPC stack's
     /// ceiling on the same server, with no disk and no ledger in it.
     Health(Vec<Channel>),
@@ -573,6 +609,14 @@ pub async fn run_loop(
     };
     let failures = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::with_capacity(concurrency);
+    // One stream per connection, shared by the workers on it, for a shared-session target.
+    let shared: Vec<fence_client::Session> = match target {
+        Target::FenceSharedSession(channels) => channels
+            .iter()
+            .map(|c| session_over(c.clone()))
+            .collect::<Result<_>>()?,
+        _ => Vec::new(),
+    };
     for w in 0..concurrency as u64 {
         let run_id = format!("load-{label}-c{concurrency}-w{w}");
         let failures = failures.clone();
@@ -585,12 +629,14 @@ pub async fn run_loop(
                 };
                 tasks.push(tokio::spawn(worker(client, w, start, limit, failures)));
             }
-            Target::FenceSession(channels) => {
-                let channel = channels[w as usize % channels.len()].clone();
+            Target::FenceSession(_) | Target::FenceSharedSession(_) => {
                 let client = SessionEffects {
-                    session: fence_client::FenceClient::builder("unused")
-                        .build_with_service(channel)?
-                        .session(),
+                    session: match target {
+                        Target::FenceSession(channels) => {
+                            session_over(channels[w as usize % channels.len()].clone())?
+                        }
+                        _ => shared[w as usize % shared.len()].clone(),
+                    },
                     run_id,
                     batch: batch.max(1) as u64,
                 };
@@ -1050,6 +1096,32 @@ impl InProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every transport of the load generator does its effects against a real server: a
+    /// closed loop of a fixed number of turns, none failing (`run_loop` fails on any).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_fence_transport_completes_its_effects() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = InProcess::start(dir.path(), true).await.unwrap();
+        let mut channels = Vec::new();
+        for _ in 0..2 {
+            let endpoint = tonic::transport::Endpoint::from_shared(server.url.clone()).unwrap();
+            channels.push(endpoint.connect().await.unwrap());
+        }
+        register_tool(channels[0].clone()).await.unwrap();
+        for transport in [
+            FenceTransport::Unary,
+            FenceTransport::Session,
+            FenceTransport::SharedSession,
+        ] {
+            let target = Target::fence(channels.clone(), transport);
+            let label = format!("{transport:?}");
+            let m = run_loop(&target, &label, 6, 1, Budget::Turns(15)).await;
+            let m = m.unwrap_or_else(|e| panic!("{}: {e:#}", transport.label()));
+            assert_eq!(m.ops, 6 * 15, "{}", transport.label());
+        }
+        server.stop().await;
+    }
 
     /// A preload writes no WAL and relies on its flush: what it loaded must be there, and
     /// answered as recorded, when the data dir is opened as `fenced` opens it.

@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use fence_bench::fenced::{Fenced, default_binary};
-use fence_bench::load::{self, Measured, Target};
+use fence_bench::load::{self, FenceTransport, Measured, Target};
 
 /// fenced's allocator, so that `ledger` counts the engine's instructions as fenced runs it, and
 /// the load generator (on the same cores as what it measures) takes less CPU from either
@@ -71,6 +71,24 @@ struct Common {
     /// each.
     #[arg(long)]
     session: bool,
+    /// Fence's calls as messages on one Session stream per connection, shared by the
+    /// workers on it (a process hosting many agents behind one client, as the MCP gateway
+    /// sends its calls), instead of one unary RPC each.
+    #[arg(long, conflicts_with = "session")]
+    shared_sessions: bool,
+}
+
+impl Common {
+    /// How Fence's calls travel.
+    fn transport(&self) -> FenceTransport {
+        if self.shared_sessions {
+            FenceTransport::SharedSession
+        } else if self.session {
+            FenceTransport::Session
+        } else {
+            FenceTransport::Unary
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -135,15 +153,6 @@ enum Command {
         #[arg(long)]
         no_caches: bool,
     },
-}
-
-/// Fence's row label: its transport.
-fn fence_label(common: &Common) -> &'static str {
-    if common.session {
-        "Fence (session)"
-    } else {
-        "Fence"
-    }
 }
 
 fn work_dir(common: &Common) -> Result<PathBuf> {
@@ -264,13 +273,13 @@ async fn compare(
     // Fence.
     load::register_tool(fenced.channel().await?).await?;
     let chans = channels(&fenced, common.connections).await?;
-    let target = Target::fence(chans, common.session);
+    let target = Target::fence(chans, common.transport());
     let warmup = Duration::from_secs(common.warmup);
     let measure = Duration::from_secs(common.seconds);
     let mut fence = Vec::new();
     for &c in &common.concurrency {
         let m = load::closed_loop(&target, "cmp", c, common.batch, warmup, measure).await?;
-        eprintln!("{}", row(fence_label(&common), c, &m));
+        eprintln!("{}", row(common.transport().label(), c, &m));
         fence.push((c, m));
     }
     let rss = fenced.rss_kib();
@@ -291,7 +300,7 @@ async fn compare(
             );
         }
         load::register_tool(chans[0].clone()).await?;
-        let target = Target::fence(chans, common.session);
+        let target = Target::fence(chans, common.transport());
         for &c in &common.concurrency {
             let m = load::closed_loop(&target, "nodelay", c, common.batch, warmup, measure).await?;
             eprintln!("{}", row("Fence, in-process, TCP_NODELAY", c, &m));
@@ -329,7 +338,7 @@ async fn compare(
         .iter()
         .zip(pg.iter().map(Some).chain(std::iter::repeat(None)))
     {
-        println!("{}", row(fence_label(&common), *c, f));
+        println!("{}", row(common.transport().label(), *c, f));
         if let Some((_, n)) = nodelay.iter().find(|(k, _)| k == c) {
             println!(
                 "{}",
@@ -444,7 +453,10 @@ async fn scale(common: Common, sizes: Vec<u64>, threads: usize) -> Result<()> {
         if size == 0 {
             load::register_tool(fenced.channel().await?).await?;
         }
-        let target = Target::fence(channels(&fenced, common.connections).await?, common.session);
+        let target = Target::fence(
+            channels(&fenced, common.connections).await?,
+            common.transport(),
+        );
         for &c in &common.concurrency {
             let m = load::closed_loop(
                 &target,
@@ -489,7 +501,10 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     println!("machine: {}; data dir {}", machine(), dir.display());
     let fenced = start_fenced(&common, &dir.join("fence-data"), &dir.join("fenced.log")).await?;
     load::register_tool(fenced.channel().await?).await?;
-    let target = Target::fence(channels(&fenced, common.connections).await?, common.session);
+    let target = Target::fence(
+        channels(&fenced, common.connections).await?,
+        common.transport(),
+    );
     let batch = common.batch.max(1) as u64;
     let mut measured = Vec::new();
     println!(
