@@ -147,6 +147,10 @@ async fn counters_move_with_real_calls() {
         "{body}"
     );
     assert!(
+        sample(&body, "fence_wal_sync_seconds_count", &[]).unwrap_or(0.0) >= 2.0,
+        "{body}"
+    );
+    assert!(
         sample(&body, "fence_store_bytes", &[]).unwrap_or(0.0) > 0.0,
         "{body}"
     );

@@ -568,7 +568,11 @@ impl Engine {
         } else {
             bulk_write_options()
         };
+        let started = std::time::Instant::now();
         let result = self.with_db(|db| db.write_opt(batch, &options).map_err(engine));
+        if sync && result.is_ok() {
+            crate::metrics::wal_synced(started.elapsed());
+        }
         if result.is_err() {
             // RocksDB may now refuse every write until reopened; do that on the next call.
             self.needs_reopen.store(true, Ordering::Release);
