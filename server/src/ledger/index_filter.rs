@@ -16,9 +16,17 @@
 //!
 //! A filter is therefore never invalidated: a write that fails, or a delete, leaves a tag the
 //! store no longer needs, which only costs a lookup. A run with more than
-//! [`MAX_TAGS_PER_RUN`] entries is marked as not filtered (every lookup goes to the store);
-//! all filters together hold at most a budget of tags, and are dropped when it is exceeded
-//! (each is rebuilt by the next Begin of its run).
+//! [`MAX_TAGS_PER_RUN`] entries is marked as not filtered (every lookup goes to the store).
+//!
+//! All filters together hold at most a budget of tags. When it would be exceeded the oldest
+//! filters give way, and a run whose filter goes is marked unfiltered (one tag), not dropped:
+//! its Begins look in the store instead of scanning its whole index again. Only once that
+//! mark is the oldest and gives way in turn may the run's next Begin install a filter anew.
+//! Rebuilding costs a scan of the run's index, so a working set larger than the budget must
+//! not cause one per Begin: dropping every filter at once did, and with 64 runs of 16,000
+//! effects each (two million tags) the ledger did little but re-scan them.
+
+use std::collections::VecDeque;
 
 use foldhash::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -61,11 +69,48 @@ enum RunFilter {
     Unfiltered,
 }
 
+impl RunFilter {
+    /// Tags it counts against the budget.
+    fn size(&self) -> usize {
+        match self {
+            RunFilter::Tags(t) => t.len().max(1),
+            RunFilter::Unfiltered => 1,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Filters {
     runs: HashMap<RunKey, RunFilter>,
+    /// Runs by when their entry was made, oldest first: the order they give way in. May
+    /// name a run more than once, or one no longer in `runs` (skipped).
+    order: VecDeque<RunKey>,
     /// Tags held by all filters (an unfiltered run counts one).
     tags: usize,
+}
+
+impl Filters {
+    /// Makes the oldest entries give way until `need` more tags fit in `budget`: a filter
+    /// becomes an unfiltered mark (and the youngest entry), a mark goes.
+    fn make_room(&mut self, need: usize, budget: usize) {
+        while self.tags + need > budget {
+            let Some(rk) = self.order.pop_front() else {
+                return;
+            };
+            match self.runs.get(&rk) {
+                Some(RunFilter::Tags(t)) => {
+                    self.tags = self.tags - t.len().max(1) + 1;
+                    self.runs.insert(rk, RunFilter::Unfiltered);
+                    self.order.push_back(rk);
+                }
+                Some(RunFilter::Unfiltered) => {
+                    self.runs.remove(&rk);
+                    self.tags -= 1;
+                }
+                None => {}
+            }
+        }
+    }
 }
 
 /// The index filters of every run that has one (see the module docs).
@@ -104,28 +149,25 @@ impl IndexFilters {
         if self.budget == 0 {
             return;
         }
-        let filter = if complete {
+        let mut filter = if complete {
             RunFilter::Tags(tags.into_iter().collect())
         } else {
             RunFilter::Unfiltered
         };
-        let size = match &filter {
-            RunFilter::Tags(t) => t.len().max(1),
-            RunFilter::Unfiltered => 1,
-        };
         let mut filters = self.filters();
-        if filters.tags + size > self.budget {
-            filters.runs.clear();
-            filters.tags = 0;
+        // Installed twice (after a mark gave way while the caller scanned): the new one counts.
+        if let Some(old) = filters.runs.remove(&rk) {
+            filters.tags -= old.size();
         }
-        filters.tags += size;
-        if let Some(old) = filters.runs.insert(rk, filter) {
-            // Installed twice (after a drop raced with the caller): count the new one only.
-            filters.tags -= match old {
-                RunFilter::Tags(t) => t.len().max(1),
-                RunFilter::Unfiltered => 1,
-            };
+        filters.make_room(filter.size(), self.budget);
+        if filters.tags + filter.size() > self.budget {
+            // Larger than the whole budget: not filtered.
+            filter = RunFilter::Unfiltered;
+            filters.make_room(1, self.budget);
         }
+        filters.tags += filter.size();
+        filters.runs.insert(rk, filter);
+        filters.order.push_back(rk);
     }
 
     /// May the run's index hold an entry with `tag`? False only when its filter is installed
@@ -159,9 +201,8 @@ impl IndexFilters {
         if len > MAX_TAGS_PER_RUN {
             filters.tags -= len - 1;
             filters.runs.insert(*rk, RunFilter::Unfiltered);
-        } else if filters.tags > self.budget {
-            filters.runs.clear();
-            filters.tags = 0;
+        } else {
+            filters.make_room(0, self.budget);
         }
     }
 
@@ -282,15 +323,26 @@ mod tests {
         f.install([2; 16], 0..6, true);
         assert!(f.tags() <= 10);
         assert!(
-            !f.installed(&[1; 16]),
-            "over budget: the filters were dropped"
+            f.installed(&[1; 16]) && f.may_hold(&[1; 16], 12345),
+            "over budget: the oldest filter became an unfiltered mark"
         );
-        assert!(f.installed(&[2; 16]));
+        assert!(!f.may_hold(&[2; 16], 12345), "the newest filter stays");
         for t in 100..110 {
             f.note(&[2; 16], t);
             assert!(f.tags() <= 10);
         }
-        assert!(f.may_hold(&[2; 16], 12345), "dropped: look in the store");
+        assert!(f.may_hold(&[2; 16], 12345), "given way: look in the store");
+        // Marks give way too, the oldest first: only then may a run install a filter anew.
+        for r in 3..=12u8 {
+            f.install([r; 16], [1], true);
+            assert!(f.tags() <= 10);
+        }
+        assert!(!f.installed(&[1; 16]), "the oldest mark went");
+        assert!(f.installed(&[12; 16]) && !f.may_hold(&[12; 16], 2));
+        // A filter larger than the whole budget is a mark.
+        f.install([13; 16], 0..11, true);
+        assert!(f.installed(&[13; 16]) && f.may_hold(&[13; 16], 99));
+        assert!(f.tags() <= 10);
 
         let big = IndexFilters::new(usize::MAX);
         big.install([4; 16], 0..MAX_TAGS_PER_RUN as u64, true);
@@ -301,5 +353,35 @@ mod tests {
             "past the cap: unfiltered"
         );
         assert_eq!(big.tags(), 1);
+    }
+
+    /// Runs that together outgrow the budget never have to be scanned again: whatever gives
+    /// way is marked unfiltered, so every run stays installed while they all keep growing
+    /// (dropping every filter at once made each next Begin re-scan its run's index).
+    #[test]
+    fn outgrowing_the_budget_makes_no_run_scan_again() {
+        let f = IndexFilters::new(100);
+        let runs: Vec<RunKey> = (0..4u8).map(|r| [r; 16]).collect();
+        for rk in &runs {
+            f.install(*rk, [], true);
+        }
+        for t in 0..40u64 {
+            for rk in &runs {
+                f.note(rk, t);
+                assert!(f.tags() <= 100);
+                for other in &runs {
+                    assert!(f.installed(other), "a run would be scanned again");
+                }
+            }
+        }
+        // What stayed filtered still answers "absent"; what gave way looks in the store.
+        let filtered = runs.iter().filter(|rk| !f.may_hold(rk, 1000)).count();
+        assert!((1..4).contains(&filtered), "{filtered} filters kept");
+        for rk in &runs {
+            assert!(
+                f.may_hold(rk, 39),
+                "every recorded tag is held or unfiltered"
+            );
+        }
     }
 }
