@@ -355,6 +355,46 @@ mod tests {
         assert_eq!(big.tags(), 1);
     }
 
+    /// Through a ledger whose filters' budget is far smaller than its runs' indexes: filters
+    /// give way and come back as runs interleave, and every answer stays right. (In debug
+    /// builds every "absent" a filter gives is also checked against the store.)
+    #[test]
+    fn a_ledger_answers_right_while_its_filters_give_way() {
+        use crate::ledger::test_support::pay_ledger_with;
+        use crate::ledger::{BeginCmd, Decision, LedgerConfig};
+
+        let mut config = LedgerConfig::default();
+        config.limits.max_filtered_index_entries = 12;
+        let ledger = pay_ledger_with(config);
+        let call = |run: u64, step: String, n: u64| BeginCmd {
+            run_id: format!("r{run}"),
+            tool: "pay".into(),
+            step_key: step,
+            arguments_json: format!("{{\"n\":{n}}}"),
+            ..Default::default()
+        };
+        for n in 0..8u64 {
+            for run in 0..6u64 {
+                let new = ledger.begin("t", &call(run, format!("s{n}"), n)).unwrap();
+                assert!(
+                    matches!(new.decision, Decision::Execute { .. }),
+                    "run {run} call {n}: {:?}",
+                    new.decision
+                );
+                assert!(ledger.index_filters.tags() <= 12);
+                // An earlier call again, by step key and by intent under a new step key.
+                let k = n / 2;
+                for again in [call(run, format!("s{k}"), k), call(run, format!("x{n}"), k)] {
+                    let d = ledger.begin("t", &again).unwrap().decision;
+                    assert!(
+                        !matches!(d, Decision::Execute { .. }),
+                        "run {run}: a recorded call ran again: {d:?}"
+                    );
+                }
+            }
+        }
+    }
+
     /// Runs that together outgrow the budget never have to be scanned again: whatever gives
     /// way is marked unfiltered, so every run stays installed while they all keep growing
     /// (dropping every filter at once made each next Begin re-scan its run's index).
