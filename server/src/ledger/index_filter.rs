@@ -97,17 +97,18 @@ impl Filters {
             let Some(rk) = self.order.pop_front() else {
                 return;
             };
-            match self.runs.get(&rk) {
+            match self.runs.insert(rk, RunFilter::Unfiltered) {
                 Some(RunFilter::Tags(t)) => {
-                    self.tags = self.tags - t.len().max(1) + 1;
-                    self.runs.insert(rk, RunFilter::Unfiltered);
+                    self.tags = self.tags - RunFilter::Tags(t).size() + 1;
                     self.order.push_back(rk);
                 }
                 Some(RunFilter::Unfiltered) => {
                     self.runs.remove(&rk);
                     self.tags -= 1;
                 }
-                None => {}
+                None => {
+                    self.runs.remove(&rk);
+                }
             }
         }
     }
@@ -159,12 +160,11 @@ impl IndexFilters {
         if let Some(old) = filters.runs.remove(&rk) {
             filters.tags -= old.size();
         }
-        filters.make_room(filter.size(), self.budget);
-        if filters.tags + filter.size() > self.budget {
-            // Larger than the whole budget: not filtered.
+        if filter.size() > self.budget {
+            // Larger than the whole budget: not filtered, and nothing else gives way for it.
             filter = RunFilter::Unfiltered;
-            filters.make_room(1, self.budget);
         }
+        filters.make_room(filter.size(), self.budget);
         filters.tags += filter.size();
         filters.runs.insert(rk, filter);
         filters.order.push_back(rk);
@@ -339,10 +339,15 @@ mod tests {
         }
         assert!(!f.installed(&[1; 16]), "the oldest mark went");
         assert!(f.installed(&[12; 16]) && !f.may_hold(&[12; 16], 2));
-        // A filter larger than the whole budget is a mark.
+        // A filter larger than the whole budget is a mark, and the others stay.
         f.install([13; 16], 0..11, true);
         assert!(f.installed(&[13; 16]) && f.may_hold(&[13; 16], 99));
         assert!(f.tags() <= 10);
+        let g = IndexFilters::new(10);
+        g.install([1; 16], 0..3, true);
+        g.install([2; 16], 0..11, true);
+        assert!(g.may_hold(&[2; 16], 99) && !g.may_hold(&[1; 16], 99));
+        assert_eq!(g.tags(), 4, "nothing gave way for the mark");
 
         let big = IndexFilters::new(usize::MAX);
         big.install([4; 16], 0..MAX_TAGS_PER_RUN as u64, true);
