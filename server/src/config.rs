@@ -112,10 +112,11 @@ pub struct Config {
     #[arg(long, env = "FENCE_FILTERED_INDEX_ENTRIES", default_value_t = 2 << 20)]
     pub filtered_index_entries: usize,
 
-    /// Write-ahead log written ahead at start, in MiB (about one memtable's worth), so that
-    /// the first syncs overwrite the file instead of growing it: a sync that grows a file also
-    /// writes its inode, about a third more per acknowledged write on ext4. Later WAL files
-    /// reuse old ones anyway. 0 turns it off (a data dir then holds this much less).
+    /// Write-ahead log written ahead at start, in MiB (about one memtable's worth), into two
+    /// files, so that the first two memtables' syncs overwrite a file instead of growing it: a
+    /// sync that grows a file also writes its inode, about a third more per acknowledged write
+    /// on ext4. Later WAL files reuse old ones anyway. 0 turns it off (a data dir then holds
+    /// twice this much less).
     #[arg(long, env = "FENCE_WAL_PRIME_MB", default_value_t = 64)]
     pub wal_prime_mb: u64,
 

@@ -34,9 +34,9 @@ pub struct StoreOptions {
     /// straight to RocksDB, past the commit pipeline, and write no WAL: they are durable
     /// once the store is flushed ([`RocksStore::flush`]) or closed.
     pub sync_writes: bool,
-    /// Bytes of write-ahead log written ahead at open (see [`RocksStore::open`]), so that
-    /// the syncs of this process's first memtable overwrite space the file already has
-    /// instead of growing it. 0 turns it off.
+    /// Bytes of write-ahead log written ahead at open into each of two files (see
+    /// [`RocksStore::open`]), so that the syncs of this process's first two memtables
+    /// overwrite space a file already has instead of growing it. 0 turns it off.
     pub wal_prime_bytes: u64,
 }
 
@@ -231,32 +231,35 @@ fn intent_prefix(key: &[u8]) -> &[u8] {
     &key[..key.len().min(INTENT_PREFIX_LEN)]
 }
 
-/// Writes `bytes` of write-ahead log ahead, so that the WAL this process writes next
-/// overwrites a file of at least that size instead of appending to a new one.
+/// Writes `bytes` of write-ahead log ahead, twice, so that the WAL files this process writes
+/// next overwrite files of at least that size instead of appending to new ones.
 ///
 /// Why: on ext4 (and most filesystems) an `fdatasync` after an append must also write the
 /// inode, since the file's size changed; after an overwrite it writes only the data. On the
 /// benchmark machine that is 150 against 105 us per sync, and every acknowledged write waits
-/// for one. RocksDB already reuses this process's obsolete WAL files (`recycle_log_file_num`),
-/// so from its second memtable on it overwrites; the prime makes that true from the first
-/// write, as Postgres does by zero-filling WAL segments before it needs them.
+/// for one. RocksDB reuses this process's obsolete WAL files (`recycle_log_file_num`), oldest
+/// first, so from its third memtable on it overwrites by itself; the prime makes that true
+/// from the first write, as Postgres does by zero-filling WAL segments before it needs them.
+/// Two files, not one: the first memtable switch needs a file the recycle list does not have
+/// yet, and a new one appends for a whole memtable (finding F11 in docs/BENCHMARKS.md).
 ///
-/// How: `bytes` of WAL-only log data (`put_log_data`: never in a memtable or table file), a
-/// megabyte per write, the last one synced and holding the deletion of a key that never holds
-/// a value, [`keys::wal_prime`] (so that the memtable is not empty and a flush switches WAL
-/// files). The flush makes that
-/// WAL obsolete, which puts it in RocksDB's recycle list; a second deletion and flush
-/// switches to it. The flush's clean-up that fills the list runs after the flush returns, so
-/// the switch is retried until the live WAL is the primed file. Each flush leaves a table
-/// file of one tombstone, which compaction removes.
+/// How: `bytes` of WAL-only log data (`put_log_data`: never in a memtable or table file) into
+/// the live WAL, a flush (which makes it obsolete, so that it joins the recycle list, and
+/// switches to a new WAL), the same into that one, and a flush again: the switch reuses the
+/// first file, the second joins the list behind it. Each fill's last write is synced and
+/// holds the deletion of a key that never holds a value, [`keys::wal_prime`], so that the
+/// memtable is not empty and a flush switches WAL files. The clean-up that fills the recycle
+/// list runs after a flush returns, so the switch is retried until the live WAL is a primed
+/// file and another waits in the list. Each flush leaves a table file of one tombstone, which
+/// compaction removes.
 ///
-/// It takes at most an eighth of the filesystem's free space, and nothing when that is under a
-/// megabyte: a nearly full disk keeps its room for the ledger.
+/// Both together take at most an eighth of the filesystem's free space, and nothing when that
+/// is under two megabytes: a nearly full disk keeps its room for the ledger.
 fn prime_wal(db: &DB, path: &Path, bytes: u64) -> Result<(), StoreError> {
     const CHUNK: usize = 1 << 20;
     let free = rustix::fs::statvfs(path)
         .map_err(|e| StoreError::Engine(format!("{}: {e}", path.display())))?;
-    let bytes = bytes.min(free.f_bavail.saturating_mul(free.f_frsize) / 8);
+    let bytes = bytes.min(free.f_bavail.saturating_mul(free.f_frsize) / 16);
     if bytes < CHUNK as u64 {
         return Ok(());
     }
@@ -265,38 +268,52 @@ fn prime_wal(db: &DB, path: &Path, bytes: u64) -> Result<(), StoreError> {
     // A megabyte per write, so the prime never holds more than that in memory; the last
     // write syncs them all.
     let filler = vec![0u8; CHUNK];
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(CHUNK as u64) as usize;
-        left -= n as u64;
-        let mut batch = WriteBatch::default();
-        batch.put_log_data(&filler[..n]);
-        if left == 0 {
-            batch.delete_cf(cf, &key);
+    let fill = || -> Result<(), StoreError> {
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(CHUNK as u64) as usize;
+            left -= n as u64;
+            let mut batch = WriteBatch::default();
+            batch.put_log_data(&filler[..n]);
+            if left == 0 {
+                batch.delete_cf(cf, &key);
+            }
+            db.write_opt(batch, &write_options(left == 0))
+                .map_err(engine)?;
         }
-        db.write_opt(batch, &write_options(left == 0))
-            .map_err(engine)?;
-    }
-    db.flush_cf(cf).map_err(engine)?;
+        db.flush_cf(cf).map_err(engine)
+    };
+    fill()?;
+    fill()?;
+    let mut live = 0;
     for _ in 0..50 {
-        let mut switch = WriteBatch::default();
-        switch.delete_cf(cf, &key);
-        db.write_opt(switch, &write_options(true)).map_err(engine)?;
-        db.flush_cf(cf).map_err(engine)?;
-        if live_wal_size(path)? >= bytes {
+        let waiting;
+        (live, waiting) = wal_sizes(path)?;
+        if live >= bytes && waiting >= bytes {
             return Ok(());
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
+        if live < bytes {
+            let mut switch = WriteBatch::default();
+            switch.delete_cf(cf, &key);
+            db.write_opt(switch, &write_options(true)).map_err(engine)?;
+            db.flush_cf(cf).map_err(engine)?;
+        }
+    }
+    if live >= bytes {
+        // The next WAL file appends for a memtable, as it would without the second fill.
+        tracing::debug!("the second primed WAL file is not waiting to be reused");
+        return Ok(());
     }
     Err(StoreError::Engine(
         "RocksDB did not reuse the primed WAL file".into(),
     ))
 }
 
-/// The size of the newest WAL file in `path` (the one RocksDB writes), 0 if none.
-fn live_wal_size(path: &Path) -> Result<u64, StoreError> {
+/// The WAL files in `path`, as (number, size), oldest first.
+fn wal_logs(path: &Path) -> Result<Vec<(u64, u64)>, StoreError> {
     let io = |e: std::io::Error| StoreError::Engine(format!("{}: {e}", path.display()));
-    let mut newest: Option<(u64, u64)> = None;
+    let mut logs = Vec::new();
     for entry in std::fs::read_dir(path).map_err(io)? {
         let entry = entry.map_err(io)?;
         let name = entry.file_name();
@@ -307,11 +324,19 @@ fn live_wal_size(path: &Path) -> Result<u64, StoreError> {
         else {
             continue;
         };
-        if newest.is_none_or(|(n, _)| number > n) {
-            newest = Some((number, entry.metadata().map_err(io)?.len()));
-        }
+        logs.push((number, entry.metadata().map_err(io)?.len()));
     }
-    Ok(newest.map_or(0, |(_, len)| len))
+    logs.sort_unstable();
+    Ok(logs)
+}
+
+/// The size of the newest WAL file in `path` (the one RocksDB writes) and the largest of the
+/// others (after a flush: the ones waiting to be reused), 0 where there is none.
+fn wal_sizes(path: &Path) -> Result<(u64, u64), StoreError> {
+    let mut logs = wal_logs(path)?;
+    let live = logs.pop().map_or(0, |(_, len)| len);
+    let waiting = logs.iter().map(|&(_, len)| len).max().unwrap_or(0);
+    Ok((live, waiting))
 }
 
 fn cf(db: &DB) -> &rocksdb::ColumnFamily {
@@ -323,8 +348,8 @@ impl RocksStore {
     /// Opens (creating if needed) the store in `path`.
     ///
     /// With [`StoreOptions::wal_prime_bytes`], it then writes that much write-ahead log ahead
-    /// (at most an eighth of the free space), so that the syncs of this process's first
-    /// memtable overwrite the WAL file instead of growing it. A prime that fails is logged and
+    /// into each of two files (together at most an eighth of the free space), so that the
+    /// syncs of this process's first two memtables overwrite a WAL file instead of growing it. A prime that fails is logged and
     /// skipped (the store is served as without it); the reopen after a write error never
     /// primes.
     pub fn open(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
@@ -736,8 +761,6 @@ mod tests {
         assert_eq!(prefix_end(&[0xff, 0xff]), None);
     }
 
-    /// The prime leaves the live WAL at least its size, and what is written into it (past
-    /// its end too) reads back after reopening, primed or not, with nothing dropped.
     #[test]
     fn writes_go_to_table_files_once_they_pass_the_memtable_size() {
         // Table-file bytes after `mib` MiB of writes under `memtable_bytes`, waiting up to
@@ -779,6 +802,8 @@ mod tests {
         assert!(flushed > 0, "4 MiB pass a 1 MiB memtable");
     }
 
+    /// The prime leaves the live WAL at least its size, and what is written into it (past
+    /// its end too) reads back after reopening, primed or not, with nothing dropped.
     #[test]
     fn a_primed_wal_is_the_live_one_and_keeps_every_write() {
         let dir = tempfile::tempdir().unwrap();
@@ -797,7 +822,7 @@ mod tests {
         let held = |s: &RocksStore| s.scan(&[9], &[9], 10_000).unwrap().len();
         {
             let s = RocksStore::open(dir.path(), &primed).unwrap();
-            assert!(live_wal_size(dir.path()).unwrap() >= 1 << 20);
+            assert!(wal_sizes(dir.path()).unwrap().0 >= 1 << 20);
             // Past the primed megabyte: the rest appends.
             write(&s, 0, 400);
         }
@@ -805,7 +830,7 @@ mod tests {
             let s = RocksStore::open(dir.path(), &primed).unwrap();
             assert!(s.recovery_losses().is_empty(), "{:?}", s.recovery_losses());
             assert_eq!(held(&s), 400);
-            assert!(live_wal_size(dir.path()).unwrap() >= 1 << 20);
+            assert!(wal_sizes(dir.path()).unwrap().0 >= 1 << 20);
             write(&s, 400, 500);
         }
         let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
@@ -813,6 +838,41 @@ mod tests {
         assert_eq!(held(&s), 500);
         // The prime's key never holds a value: the metadata kind holds nothing here.
         assert!(s.scan(&[0], &[0], 10).unwrap().is_empty());
+    }
+
+    /// The WAL file after the first memtable switch is primed too: a file that was new there
+    /// would append (and write its inode with every sync) for a whole memtable.
+    #[test]
+    fn the_wal_after_the_first_memtable_switch_is_primed_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = StoreOptions {
+            wal_prime_bytes: 2 << 20,
+            memtable_bytes: 1 << 20,
+            ..StoreOptions::default()
+        };
+        let s = RocksStore::open(dir.path(), &opts).unwrap();
+        let (live, waiting) = wal_sizes(dir.path()).unwrap();
+        assert!(live >= 2 << 20 && waiting >= 2 << 20, "{live} {waiting}");
+        let first = wal_logs(dir.path()).unwrap().last().unwrap().0;
+        // 4 KiB writes until RocksDB switches to another WAL file (a 1 MiB memtable is full
+        // after about 256 of them), then a few more into the new one.
+        let mut after_switch = None;
+        for i in 0u32..2048 {
+            let mut b = Batch::new();
+            b.put([&[9u8][..], &i.to_be_bytes()].concat(), vec![7u8; 4096]);
+            s.write(b).unwrap();
+            let newest = wal_logs(dir.path()).unwrap().last().unwrap().0;
+            if newest != first && after_switch.is_none() {
+                after_switch = Some(i);
+            }
+            if after_switch.is_some_and(|at| i >= at + 16) {
+                break;
+            }
+        }
+        assert!(after_switch.is_some(), "no memtable switch after 8 MiB");
+        // About 64 KiB were written into the live file: its size is the prime's.
+        let (live, _) = wal_sizes(dir.path()).unwrap();
+        assert!(live >= 2 << 20, "the second WAL file holds {live} bytes");
     }
 
     #[test]
