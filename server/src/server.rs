@@ -112,6 +112,7 @@ pub fn store_options(config: &Config) -> StoreOptions {
         memtable_bytes: config.memtable_mb << 20,
         sync_writes: true,
         wal_prime_bytes: config.wal_prime_mb << 20,
+        compression: config.compression,
     }
 }
 
