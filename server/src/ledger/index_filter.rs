@@ -272,8 +272,8 @@ mod tests {
     /// intent under a new step key is still found in the store.
     #[test]
     fn a_ledger_skips_only_lookups_of_what_its_run_never_had() {
-        use crate::ledger::test_support::{pay, pay_ledger};
-        use crate::ledger::{BeginCmd, Decision};
+        use crate::ledger::Decision;
+        use crate::ledger::test_support::{pay, pay_call, pay_ledger};
 
         let ledger = pay_ledger();
         let rk = keys::run_key("t", "r");
@@ -301,14 +301,10 @@ mod tests {
         assert!(!filters.may_hold(&rk, step(3)));
 
         // The first call's intent again under a new step key: found, not a new effect.
-        let cmd = BeginCmd {
-            run_id: "r".into(),
-            tool: "pay".into(),
-            step_key: "s-new".into(),
-            arguments_json: r#"{"n":1}"#.into(),
-            ..Default::default()
-        };
-        let decision = ledger.begin("t", &cmd).unwrap().decision;
+        let decision = ledger
+            .begin("t", &pay_call("r", "s-new", 1))
+            .unwrap()
+            .decision;
         assert!(
             !matches!(decision, Decision::Execute { .. }),
             "a repeat of a recorded intent was granted again: {decision:?}"
@@ -365,19 +361,13 @@ mod tests {
     /// builds every "absent" a filter gives is also checked against the store.)
     #[test]
     fn a_ledger_answers_right_while_its_filters_give_way() {
-        use crate::ledger::test_support::pay_ledger_with;
-        use crate::ledger::{BeginCmd, Decision, LedgerConfig};
+        use crate::ledger::test_support::{pay_call, pay_ledger_with};
+        use crate::ledger::{Decision, LedgerConfig};
 
         let mut config = LedgerConfig::default();
         config.limits.max_filtered_index_entries = 12;
         let ledger = pay_ledger_with(config);
-        let call = |run: u64, step: String, n: u64| BeginCmd {
-            run_id: format!("r{run}"),
-            tool: "pay".into(),
-            step_key: step,
-            arguments_json: format!("{{\"n\":{n}}}"),
-            ..Default::default()
-        };
+        let call = |run: u64, step: String, n: u64| pay_call(&format!("r{run}"), &step, n);
         for n in 0..8u64 {
             for run in 0..6u64 {
                 let new = ledger.begin("t", &call(run, format!("s{n}"), n)).unwrap();

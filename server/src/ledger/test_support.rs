@@ -24,19 +24,24 @@ pub(crate) fn pay_ledger_with(
     ledger
 }
 
+/// A call of "pay" in `run`, at step `step`, with arguments `{"n": n}`.
+pub(crate) fn pay_call(run: &str, step: &str, n: u64) -> crate::ledger::BeginCmd {
+    crate::ledger::BeginCmd {
+        run_id: run.into(),
+        tool: "pay".into(),
+        step_key: step.into(),
+        arguments_json: format!("{{\"n\":{n}}}"),
+        ..Default::default()
+    }
+}
+
 /// Begins step `s{n}` of run "r" with new arguments: a new effect, granted.
 pub(crate) fn pay(
     ledger: &crate::ledger::Ledger<crate::store::MemStore>,
     n: u64,
 ) -> crate::ledger::records::EffectRecord {
-    use crate::ledger::{BeginCmd, Decision};
-    let cmd = BeginCmd {
-        run_id: "r".into(),
-        tool: "pay".into(),
-        step_key: format!("s{n}"),
-        arguments_json: format!("{{\"n\":{n}}}"),
-        ..Default::default()
-    };
+    use crate::ledger::Decision;
+    let cmd = pay_call("r", &format!("s{n}"), n);
     match ledger.begin("t", &cmd).unwrap().decision {
         Decision::Execute { receipt, .. } => *receipt,
         other => panic!("expected a grant, got {other:?}"),

@@ -360,9 +360,9 @@ impl RocksStore {
     ///
     /// With [`StoreOptions::wal_prime_bytes`], it then writes that much write-ahead log ahead
     /// into each of two files (together at most an eighth of the free space), so that the
-    /// syncs of this process's first two memtables overwrite a WAL file instead of growing it. A prime that fails is logged and
-    /// skipped (the store is served as without it); the reopen after a write error never
-    /// primes.
+    /// syncs of this process's first two memtables overwrite a WAL file instead of growing
+    /// it. A prime that fails is logged and skipped (the store is served as without it); the
+    /// reopen after a write error never primes.
     pub fn open(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let db = open_db(&path, opts)?;
