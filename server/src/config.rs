@@ -22,6 +22,16 @@ pub struct Config {
     #[arg(long, env = "FENCE_DATA_DIR", default_value = "fence-data")]
     pub data_dir: PathBuf,
 
+    /// Directory for the ledger's write-ahead log instead of `<data-dir>/ledger` (created if
+    /// missing), typically on a separate device: every acknowledged write waits for a sync of
+    /// this log, and on a shared disk those syncs queue behind the table files that flushes
+    /// and compactions write. At the first start with it an existing ledger is flushed and
+    /// its log moves there; from then on the ledger refuses to start without it, and the
+    /// directory serves that one ledger only. A directory moved elsewhere is found again
+    /// by the id in its `FENCE-WAL-OWNER` file.
+    #[arg(long, env = "FENCE_WAL_DIR")]
+    pub wal_dir: Option<PathBuf>,
+
     /// Default lease of a grant, in milliseconds.
     #[arg(long, env = "FENCE_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,

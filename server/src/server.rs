@@ -113,6 +113,7 @@ pub fn store_options(config: &Config) -> StoreOptions {
         sync_writes: true,
         wal_prime_bytes: config.wal_prime_mb << 20,
         compression: config.compression,
+        wal_dir: config.wal_dir.clone(),
     }
 }
 

@@ -22,10 +22,11 @@ struct Server {
     url: String,
 }
 
-fn start(data: &std::path::Path) -> Server {
+fn start(data: &std::path::Path, extra: &[std::ffi::OsString]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fenced"))
         .args(["--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data)
+        .args(extra)
         // Long leases: nothing lapses during the test, so any second grant would be a bug.
         .args(["--lease-ms", "600000"])
         .env("RUST_LOG", "warn")
@@ -321,12 +322,50 @@ async fn verify(url: &str, acks: &Acks, already: &Acks) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_dash_nine_under_load_loses_nothing_acknowledged() {
     let dir = tempfile::tempdir().unwrap();
+    kill_cycles(dir.path(), CYCLES, |_| Vec::new()).await;
+}
+
+/// The same with the write-ahead log moved to a directory of its own half-way: the first
+/// start with `--wal-dir` moves an existing ledger's log (flushed first), and kills land
+/// during that start too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_dash_nine_loses_nothing_while_the_wal_moves_to_its_own_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let wal = dir.path().join("wal").into_os_string();
+    let cycles = CYCLES / 2;
+    kill_cycles(&data, cycles, |cycle| {
+        if cycle < cycles / 2 {
+            Vec::new()
+        } else {
+            vec!["--wal-dir".into(), wal.clone()]
+        }
+    })
+    .await;
+    let logs = |d: &std::path::Path| {
+        std::fs::read_dir(d)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().extension() == Some("log".as_ref()))
+            .count()
+    };
+    assert_eq!(logs(&data.join("ledger")), 0, "no log is left behind");
+    assert!(logs(std::path::Path::new(&wal)) > 0, "the log moved");
+}
+
+/// `cycles` rounds of: start `fenced` on `data` (with `args(cycle)`), check everything
+/// acknowledged so far, load it, `kill -9` it at a pseudo-random moment. Then a last start
+/// checks all of it again.
+async fn kill_cycles(
+    data: &std::path::Path,
+    cycles: usize,
+    args: impl Fn(usize) -> Vec<std::ffi::OsString>,
+) {
     let acks = Arc::new(Mutex::new(Acks::default()));
     // A deterministic spread of kill moments (no clock-based randomness to reproduce).
     let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
     let mut verified = Acks::default();
-    for cycle in 0..CYCLES {
-        let server = start(dir.path());
+    for cycle in 0..cycles {
+        let server = start(data, &args(cycle));
         // Most kills land under load, so wait until the server answers (it binds before it
         // opens its data dir: recovery and the WAL prime come first). Every fourth lands
         // wherever the delay falls, opening included.
@@ -351,12 +390,12 @@ async fn kill_dash_nine_under_load_loses_nothing_acknowledged() {
             t.await.expect("worker panicked");
         }
     }
-    let server = start(dir.path());
+    let server = start(data, &args(cycles));
     let acks = acks.lock().unwrap().clone();
     // And at the end, all of it again from scratch.
     verify(&server.url, &acks, &Acks::default()).await;
     assert!(
-        acks.completions.len() > CYCLES,
+        acks.completions.len() > cycles,
         "the load should have completed work in most cycles (got {})",
         acks.completions.len()
     );

@@ -13,6 +13,8 @@ mod mem;
 mod pipeline;
 #[cfg(feature = "rocksdb")]
 mod rocks;
+#[cfg(feature = "rocksdb")]
+pub mod wal_dir;
 
 pub use mem::MemStore;
 #[cfg(feature = "rocksdb")]

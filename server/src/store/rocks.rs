@@ -16,6 +16,7 @@ use rocksdb::{
 };
 
 use super::pipeline::{self, Pipeline};
+use super::wal_dir::{self, Placement};
 use super::{Batch, Compression, Entries, Op, Store, StoreError, Then};
 
 /// The column family holding every ledger record (keys are self-describing by their prefix).
@@ -40,6 +41,10 @@ pub struct StoreOptions {
     pub wal_prime_bytes: u64,
     /// How table files are compressed.
     pub compression: Compression,
+    /// A directory for the write-ahead log instead of the store's own (typically on another
+    /// device): see [`wal_dir`](super::wal_dir) for how a store is tied to it. `None` keeps
+    /// the log where it is; a store whose log was moved refuses to open without its directory.
+    pub wal_dir: Option<PathBuf>,
 }
 
 impl Default for StoreOptions {
@@ -50,6 +55,7 @@ impl Default for StoreOptions {
             sync_writes: true,
             wal_prime_bytes: 0,
             compression: Compression::default(),
+            wal_dir: None,
         }
     }
 }
@@ -80,6 +86,8 @@ struct Engine {
     read_only: AtomicBool,
     /// Opened with [`RocksStore::open_read_only`]: never reopened for writing.
     inspect_only: bool,
+    /// Where the write-ahead log is, and the lock on its directory if it is not `path`.
+    wal: Placement,
 }
 
 impl std::fmt::Debug for RocksStore {
@@ -121,17 +129,49 @@ fn bulk_write_options() -> WriteOptions {
     w
 }
 
-fn open_db(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
-    let (db_opts, cfs) = db_options(opts)?;
+fn open_db(path: &Path, opts: &StoreOptions, wal: Option<&Path>) -> Result<DB, StoreError> {
+    let (mut db_opts, cfs) = db_options(opts)?;
+    if let Some(wal) = wal {
+        db_opts.set_wal_dir(wal);
+    }
     DB::open_cf_descriptors(&db_opts, path, cfs).map_err(engine)
 }
 
 /// The database read-only: what serves reads while it cannot be opened for writing (a full
 /// disk: opening writes a new WAL and manifest). It recovers the WAL into memory, writes
 /// nothing, and refuses every write.
-fn open_db_read_only(path: &Path, opts: &StoreOptions) -> Result<DB, StoreError> {
-    let (db_opts, cfs) = db_options(opts)?;
+fn open_db_read_only(
+    path: &Path,
+    opts: &StoreOptions,
+    wal: Option<&Path>,
+) -> Result<DB, StoreError> {
+    let (mut db_opts, cfs) = db_options(opts)?;
+    if let Some(wal) = wal {
+        db_opts.set_wal_dir(wal);
+    }
     DB::open_cf_descriptors_read_only(&db_opts, path, cfs, false).map_err(engine)
+}
+
+/// Opens the store in `path` as it is (its log in its own directory), flushes every memtable
+/// and closes it: afterwards its WAL holds nothing a table file does not, so the log can move.
+fn flush_for_wal_move(path: &Path, opts: &StoreOptions) -> Result<(), StoreError> {
+    let db = open_db(path, opts, None)?;
+    let cf = cf(&db);
+    db.flush_cf(cf).map_err(engine)?;
+    db.flush().map_err(engine)?;
+    for property in [
+        "rocksdb.num-entries-active-mem-table",
+        "rocksdb.num-entries-imm-mem-tables",
+    ] {
+        let left = db.property_int_value_cf(cf, property).map_err(engine)?;
+        if left != Some(0) {
+            return Err(StoreError::Engine(format!(
+                "moving the write-ahead log: {property} is {left:?} after a flush"
+            )));
+        }
+    }
+    drop(db);
+    Ok(())
 }
 
 fn db_options(opts: &StoreOptions) -> Result<(Options, Vec<ColumnFamilyDescriptor>), StoreError> {
@@ -365,14 +405,21 @@ impl RocksStore {
     /// reopen after a write error never primes.
     pub fn open(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
-        let db = open_db(&path, opts)?;
+        let wal = wal_dir::place(&path, opts.wal_dir.as_deref(), || {
+            flush_for_wal_move(&path, opts)
+        })?;
+        let db = open_db(&path, opts, wal.dir.as_deref())?;
         let losses = report_recovery(&path);
         let primed = if opts.wal_prime_bytes > 0 && opts.sync_writes {
-            prime_wal(&db, &path, opts.wal_prime_bytes)
+            prime_wal(
+                &db,
+                wal.dir.as_deref().unwrap_or(&path),
+                opts.wal_prime_bytes,
+            )
         } else {
             Ok(())
         };
-        let store = Self::with_db_open(db, path, opts, losses, false)?;
+        let store = Self::with_db_open(db, path, opts, losses, false, wal)?;
         if let Err(e) = primed {
             tracing::warn!(path = %store.engine.path.display(), error = %e, "could not write the write-ahead log ahead; its first syncs will also write the file's size");
             // A failed write may leave RocksDB refusing writes until it is reopened.
@@ -383,11 +430,13 @@ impl RocksStore {
 
     /// Opens an existing store read-only (a backup, or a data dir to inspect): nothing in the
     /// directory is written, and every write is refused. A directory that holds no store is
-    /// an error.
+    /// an error. A store whose write-ahead log was moved is read with the log where its
+    /// marker says it is, whatever [`StoreOptions::wal_dir`] says.
     pub fn open_read_only(path: impl AsRef<Path>, opts: &StoreOptions) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
-        let db = open_db_read_only(&path, opts)?;
-        Self::with_db_open(db, path, opts, Vec::new(), true)
+        let wal = wal_dir::for_read_only(&path)?;
+        let db = open_db_read_only(&path, opts, wal.dir.as_deref())?;
+        Self::with_db_open(db, path, opts, Vec::new(), true, wal)
     }
 
     fn with_db_open(
@@ -396,6 +445,7 @@ impl RocksStore {
         opts: &StoreOptions,
         losses: Vec<String>,
         inspect_only: bool,
+        wal: Placement,
     ) -> Result<Self, StoreError> {
         let engine = Box::new(Engine {
             db: RwLock::new(Some(db)),
@@ -406,6 +456,7 @@ impl RocksStore {
             losses: Mutex::new(losses),
             read_only: AtomicBool::new(inspect_only),
             inspect_only,
+            wal,
         });
         Ok(Self { engine })
     }
@@ -549,12 +600,13 @@ impl Engine {
         }
         // Close first: RocksDB holds a lock file on the directory.
         *guard = None;
-        let db = match open_db(&self.path, &self.opts) {
+        let wal = self.wal.dir.as_deref();
+        let db = match open_db(&self.path, &self.opts, wal) {
             Ok(db) => db,
             Err(e) => {
                 // Serve reads while writes cannot be made (a full disk): read-only, until a
                 // write's reopen succeeds.
-                match open_db_read_only(&self.path, &self.opts) {
+                match open_db_read_only(&self.path, &self.opts, wal) {
                     Ok(db) => {
                         *guard = Some(db);
                         if !self.read_only.swap(true, Ordering::AcqRel) {
