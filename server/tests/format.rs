@@ -225,3 +225,38 @@ fn a_reopened_data_dir_numbers_after_the_last_effect_though_its_run_record_lags(
     let report = ledger.verify();
     assert!(report.is_sound(), "{:?}", report.problems);
 }
+
+/// Format 6: the write-ahead log may live outside the data dir. A format-5 data dir is
+/// migrated without a rewrite (its effects replay as before), and once its log is in a
+/// directory of its own the data dir says format 6, which every earlier `fenced` refuses
+/// instead of opening it without its log.
+#[test]
+fn a_format_5_data_dir_becomes_format_6_and_keeps_its_effects_with_its_log_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let wal = dir.path().join("wal");
+    {
+        let ledger = open(&data).unwrap();
+        ledger.begin("t", &call("s1")).unwrap();
+        let mut batch = Batch::new();
+        mark_format(&mut batch, 5, "0.1.0");
+        ledger.store().write(batch).unwrap();
+    }
+    let config = fence_server::Config {
+        wal_dir: Some(wal.clone()),
+        ..fence_server::Config::with_data_dir(&data)
+    };
+    let ledger = open_ledger(&config, Arc::new(SystemClock)).unwrap();
+    assert_eq!(format_of(&ledger), Some(6));
+    assert_eq!(FORMAT_VERSION, 6);
+    let again = ledger.begin("t", &call("s1")).unwrap().decision;
+    assert!(
+        matches!(again, Decision::InProgress { .. }),
+        "the effect begun under format 5 is still there, in progress: {again:?}"
+    );
+    drop(ledger);
+    match open(&data) {
+        Ok(_) => panic!("opened without its write-ahead log"),
+        Err(e) => assert!(e.to_string().contains("--wal-dir"), "{e}"),
+    }
+}

@@ -18,13 +18,18 @@
 //!    Earlier records are exact, so the migration rewrites nothing; an earlier `fenced` must
 //!    not open a format-5 data dir, since it would trust the lagging counts and number two
 //!    effects alike.
+//! 6. The store's write-ahead log may live outside its directory (`--wal-dir`, recorded by
+//!    [`crate::store::wal_dir::MARKER`]). No record changes, so the migration rewrites
+//!    nothing; the version exists so that an earlier `fenced`, which knows nothing of the
+//!    marker, refuses the data dir instead of opening it without its log and losing every
+//!    acknowledged write not yet in a table file.
 
 use super::records::{EffectRecord, RunRecord};
 use super::{Ledger, LedgerError, Result};
 use crate::store::{Batch, Store, codec, keys};
 
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 
 /// The store's format record (key [`keys::meta`]).
 #[derive(Clone, PartialEq, prost::Message)]
