@@ -87,6 +87,7 @@ struct Engine {
     /// Opened with [`RocksStore::open_read_only`]: never reopened for writing.
     inspect_only: bool,
     /// Where the write-ahead log is, and the lock on its directory if it is not `path`.
+    /// Declared after `db`: fields drop in order, so the lock outlives the open database.
     wal: Placement,
 }
 
