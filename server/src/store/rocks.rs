@@ -364,22 +364,15 @@ fn prime_wal(db: &DB, path: &Path, bytes: u64) -> Result<(), StoreError> {
 
 /// The WAL files in `path`, as (number, size), oldest first.
 fn wal_logs(path: &Path) -> Result<Vec<(u64, u64)>, StoreError> {
-    let io = |e: std::io::Error| StoreError::Engine(format!("{}: {e}", path.display()));
-    let mut logs = Vec::new();
-    for entry in std::fs::read_dir(path).map_err(io)? {
-        let entry = entry.map_err(io)?;
-        let name = entry.file_name();
-        let Some(number) = name
-            .to_str()
-            .and_then(|n| n.strip_suffix(".log"))
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        logs.push((number, entry.metadata().map_err(io)?.len()));
-    }
-    logs.sort_unstable();
-    Ok(logs)
+    wal_dir::log_files(path)?
+        .into_iter()
+        .map(|(number, file)| {
+            let len = std::fs::metadata(&file)
+                .map_err(|e| StoreError::Engine(format!("{}: {e}", file.display())))?
+                .len();
+            Ok((number, len))
+        })
+        .collect()
 }
 
 /// The size of the newest WAL file in `path` (the one RocksDB writes) and the largest of the

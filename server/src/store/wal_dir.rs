@@ -100,20 +100,21 @@ fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
-/// The WAL files (`NNNNNN.log`) in `dir`.
-pub fn log_files(dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
+/// The WAL files (`NNNNNN.log`) in `dir`, as (number, path), oldest first.
+pub fn log_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     let mut logs = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
         let entry = entry.map_err(io(dir))?;
-        let name = entry.file_name();
-        let is_log = name
+        let number = entry
+            .file_name()
             .to_str()
             .and_then(|n| n.strip_suffix(".log"))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-        if is_log {
-            logs.push(entry.path());
+            .and_then(|n| n.parse::<u64>().ok());
+        if let Some(number) = number {
+            logs.push((number, entry.path()));
         }
     }
+    logs.sort_unstable();
     Ok(logs)
 }
 
@@ -234,7 +235,7 @@ pub fn place(
                 }
                 None => {}
             }
-            if let Some(log) = logs.first() {
+            if let Some((_, log)) = logs.first() {
                 return Err(StoreError::Engine(format!(
                     "{} holds write-ahead log files of an unknown database ({}): give the ledger \
                      an empty directory",
@@ -245,7 +246,7 @@ pub fn place(
             if ledger.join("CURRENT").exists() {
                 move_out()?;
             }
-            let id = blake3::hash(&rand::random::<[u8; 32]>()).to_hex()[..32].to_owned();
+            let id = format!("{:032x}", rand::random::<u128>());
             write_json(
                 &dir.join(OWNER),
                 &Owner {
@@ -282,7 +283,7 @@ pub fn place(
 /// Removes the WAL files left in a ledger directory whose log is elsewhere: the ones of
 /// before the move, which the move flushed into table files and RocksDB no longer reads.
 fn remove_stale_logs(ledger: &Path) -> Result<(), StoreError> {
-    for log in log_files(ledger)? {
+    for (_, log) in log_files(ledger)? {
         std::fs::remove_file(&log).map_err(io(&log))?;
     }
     Ok(())
@@ -317,7 +318,7 @@ mod tests {
         log_files(dir)
             .unwrap()
             .iter()
-            .map(|p| std::fs::metadata(p).unwrap().len())
+            .map(|(_, p)| std::fs::metadata(p).unwrap().len())
             .sum()
     }
 
