@@ -86,15 +86,42 @@ pub fn load_or_create_key(path: &Path) -> Result<[u8; 32], ServeError> {
     }
 }
 
-/// Writes a credential key into a new file readable by its owner only, durably.
+/// Writes a credential key into a new file readable by its owner only, durably; an existing
+/// file at `path` is never replaced (`AlreadyExists`).
+///
+/// The key is written whole under a temporary name and then linked into place, and the
+/// directory entry is synced: a crash leaves either no key file (the next start makes one, and
+/// no credential was spent under the lost key, since the ledger opens after this returns) or
+/// the whole key, never an empty file that would refuse every later start.
 pub fn write_new_key_file(path: &Path, key: &[u8; 32]) -> std::io::Result<()> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
+    let mut tmp_name = name.to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
+    // Left by a crash before the link: it never held a key anyone used.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create_new(true);
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
-    let mut f = opts.open(path)?;
+    let mut f = opts.open(&tmp)?;
     f.write_all(key)?;
-    f.sync_all()
+    f.sync_all()?;
+    drop(f);
+    // A hard link, unlike a rename, fails rather than replace a key that appeared meanwhile.
+    let linked = std::fs::hard_link(&tmp, path);
+    std::fs::remove_file(&tmp)?;
+    linked?;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(parent)?.sync_all()
 }
 
 /// Opens the ledger described by `config`, with `clock`.
@@ -393,5 +420,54 @@ async fn sweep_loop(ledger: Arc<Ledger<RocksStore>>, every: Duration) {
             Ok(Err(e)) => tracing::warn!(error = %e, "retention sweep failed; will retry"),
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_key_file_holds_the_key_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(CREDENTIAL_KEY_FILE);
+        let key = load_or_create_key(&path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), key);
+        assert_eq!(
+            load_or_create_key(&path).unwrap(),
+            key,
+            "read back, not made anew"
+        );
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, [CREDENTIAL_KEY_FILE]);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+    }
+
+    #[test]
+    fn a_temporary_key_left_by_a_crash_is_replaced_and_an_existing_key_never_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(CREDENTIAL_KEY_FILE);
+        // A crash between creating the temporary file and linking it.
+        std::fs::write(dir.path().join("credential.key.tmp"), b"").unwrap();
+        write_new_key_file(&path, &[1; 32]).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), [1; 32]);
+        assert!(!dir.path().join("credential.key.tmp").exists());
+
+        let err = write_new_key_file(&path, &[2; 32]).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            [1; 32],
+            "the first key stays"
+        );
+        assert!(!dir.path().join("credential.key.tmp").exists());
     }
 }
