@@ -150,15 +150,18 @@ pub fn open_ledger_with(
     clock: Arc<dyn Clock>,
     store: &StoreOptions,
 ) -> Result<Ledger<RocksStore>, ServeError> {
-    std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+    let cannot_create = |e: std::io::Error| {
         StoreError::Engine(format!("cannot create {}: {e}", config.data_dir.display()))
-    })?;
+    };
+    let existing = existing_ancestor(&config.data_dir).map_err(cannot_create)?;
+    std::fs::create_dir_all(&config.data_dir).map_err(cannot_create)?;
     let key_path = config
         .credential_key_file
         .clone()
         .unwrap_or_else(|| config.data_dir.join(CREDENTIAL_KEY_FILE));
     let credential_key = load_or_create_key(&key_path)?;
     let store = RocksStore::open(config.data_dir.join(LEDGER_DIR), store)?;
+    sync_created_dirs(&config.data_dir, &existing).map_err(cannot_create)?;
     let ledger_config = LedgerConfig {
         default_lease_ms: config.lease_ms,
         max_lease_ms: config.max_lease_ms,
@@ -182,6 +185,35 @@ pub fn open_ledger_with(
         Ok(_) => Ok(ledger),
         Err(crate::ledger::LedgerError::Store(e)) => Err(ServeError::Store(e)),
         Err(e) => Err(ServeError::Format(e.to_string())),
+    }
+}
+
+/// The nearest of `dir` and its ancestors that exists (absolute).
+fn existing_ancestor(dir: &Path) -> std::io::Result<std::path::PathBuf> {
+    let mut at = std::path::absolute(dir)?;
+    while !at.exists() {
+        if !at.pop() {
+            break;
+        }
+    }
+    Ok(at)
+}
+
+/// Syncs the directories created for the data dir at this start, from `dir` up to `existing`
+/// (the ancestor that was there before), so that a data dir made at its first start is still
+/// there, with its ledger and key, after a machine crash: a new entry is durable only once its
+/// parent directory is synced. Nothing to do when the data dir already existed.
+fn sync_created_dirs(dir: &Path, existing: &Path) -> std::io::Result<()> {
+    let mut at = std::path::absolute(dir)?;
+    if at == existing {
+        // The data dir was there; the ledger's own entry in it may be new.
+        return std::fs::File::open(&at)?.sync_all();
+    }
+    loop {
+        std::fs::File::open(&at)?.sync_all()?;
+        if at == existing || !at.pop() {
+            return Ok(());
+        }
     }
 }
 
@@ -449,6 +481,26 @@ mod tests {
             let mode = std::fs::metadata(&path).unwrap().permissions().mode();
             assert_eq!(mode & 0o777, 0o600);
         }
+    }
+
+    #[test]
+    fn a_data_dir_created_several_levels_deep_opens_and_holds_its_ledger_and_key() {
+        let root = tempfile::tempdir().unwrap();
+        let data_dir = root.path().join("a/b/data");
+        let existing = existing_ancestor(&data_dir).unwrap();
+        assert_eq!(existing, root.path());
+        let config = Config::with_data_dir(&data_dir);
+        let ledger = open_ledger(&config, Arc::new(crate::clock::SystemClock)).unwrap();
+        drop(ledger);
+        assert!(data_dir.join(LEDGER_DIR).join("CURRENT").exists());
+        assert_eq!(
+            std::fs::read(data_dir.join(CREDENTIAL_KEY_FILE))
+                .unwrap()
+                .len(),
+            32
+        );
+        // Nothing created: only the data dir itself is synced.
+        sync_created_dirs(&data_dir, &existing_ancestor(&data_dir).unwrap()).unwrap();
     }
 
     #[test]
