@@ -38,6 +38,10 @@ pub struct Measured {
     pub window: Duration,
     /// Latency histogram, microseconds.
     pub hist: Histogram<u64>,
+    /// The share of the machine's CPU time its hypervisor took away (*steal* in
+    /// `/proc/stat`) during the measured window, when known. On a virtual machine whose host
+    /// pauses its CPUs, that is where a tail at low concurrency comes from.
+    pub steal: Option<f64>,
 }
 
 impl Measured {
@@ -46,6 +50,7 @@ impl Measured {
             ops: 0,
             window,
             hist: new_hist(),
+            steal: None,
         }
     }
 
@@ -73,6 +78,31 @@ impl Measured {
     pub fn p999(&self) -> f64 {
         self.ms(0.999)
     }
+}
+
+/// The machine's CPU ticks so far, from `/proc/stat`: (stolen by the hypervisor, all).
+pub fn cpu_ticks() -> Option<(u64, u64)> {
+    parse_cpu_ticks(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+/// [`cpu_ticks`] from the text of `/proc/stat`: the first line's user, nice, system, idle,
+/// iowait, irq, softirq and steal (guest time is already counted in user and nice).
+fn parse_cpu_ticks(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .take(8)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    (ticks.len() == 8).then(|| (ticks[7], ticks.iter().sum()))
+}
+
+/// The share of CPU time stolen between two [`cpu_ticks`] readings.
+pub fn steal_between(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((s0, t0), (s1, t1)) = (before?, after?);
+    let total = t1.checked_sub(t0).filter(|&t| t > 0)?;
+    Some(s1.saturating_sub(s0) as f64 / total as f64)
 }
 
 /// A histogram of 1 µs to 100 s with three significant digits.
@@ -668,6 +698,12 @@ pub async fn run_loop(
             }
         }
     }
+    // The host's steal over the measured window (read when it opens, and after the last
+    // worker ended: a timed window ends with its last turn).
+    let ticks_at_open = tokio::spawn(async move {
+        tokio::time::sleep_until(limit.measure_from.into()).await;
+        cpu_ticks()
+    });
     let mut total = Measured::new(match budget {
         Budget::Timed { measure, .. } => measure,
         Budget::Turns(_) => Duration::ZERO,
@@ -677,6 +713,7 @@ pub async fn run_loop(
         total.ops += m.ops;
         total.hist.add(&m.hist)?;
     }
+    total.steal = steal_between(ticks_at_open.await.ok().flatten(), cpu_ticks());
     if let Budget::Turns(_) = budget {
         total.window = start.elapsed();
     }
@@ -1096,6 +1133,23 @@ impl InProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_hosts_steal_is_read_from_proc_stat() {
+        let stat =
+            "cpu  2028988 0 281848 601126 79718 0 25972 37881 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n";
+        let (steal, all) = parse_cpu_ticks(stat).unwrap();
+        assert_eq!(steal, 37881);
+        assert_eq!(all, 2028988 + 281848 + 601126 + 79718 + 25972 + 37881);
+        assert_eq!(parse_cpu_ticks("intr 1 2 3"), None);
+        assert_eq!(parse_cpu_ticks("cpu  1 2 3"), None, "too few fields");
+        let share = steal_between(Some((10, 1000)), Some((60, 2000))).unwrap();
+        assert!((share - 0.05).abs() < 1e-12, "{share}");
+        assert_eq!(steal_between(Some((10, 1000)), Some((10, 1000))), None);
+        assert_eq!(steal_between(None, Some((10, 1000))), None);
+        #[cfg(target_os = "linux")]
+        assert!(cpu_ticks().is_some());
+    }
 
     /// Every transport of the load generator does its effects against a real server: a
     /// closed loop of a fixed number of turns, none failing (`run_loop` fails on any).
