@@ -81,7 +81,7 @@ impl Measured {
 }
 
 /// The machine's CPU ticks so far, from `/proc/stat`: (stolen by the hypervisor, all).
-pub fn cpu_ticks() -> Option<(u64, u64)> {
+fn cpu_ticks() -> Option<(u64, u64)> {
     parse_cpu_ticks(&std::fs::read_to_string("/proc/stat").ok()?)
 }
 
@@ -99,7 +99,7 @@ fn parse_cpu_ticks(stat: &str) -> Option<(u64, u64)> {
 }
 
 /// The share of CPU time stolen between two [`cpu_ticks`] readings.
-pub fn steal_between(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+fn steal_between(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
     let ((s0, t0), (s1, t1)) = (before?, after?);
     let total = t1.checked_sub(t0).filter(|&t| t > 0)?;
     Some(s1.saturating_sub(s0) as f64 / total as f64)

@@ -90,9 +90,7 @@ fn write_backup(ledger: &Ledger<RocksStore>, dir: &Path) -> Result<(), Status> {
         .checkpoint_to(&dir.join(LEDGER_DIR))
         .map_err(|e| failed("store", &e))?;
     // The directory entries themselves, so the copy survives a crash once acknowledged.
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| failed("directory", &e))
+    crate::store::sync_dir(dir).map_err(|e| failed("directory", &e))
 }
 
 /// Bytes of the regular files directly in `dir`.

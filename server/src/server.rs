@@ -121,7 +121,7 @@ pub fn write_new_key_file(path: &Path, key: &[u8; 32]) -> std::io::Result<()> {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    std::fs::File::open(parent)?.sync_all()
+    crate::store::sync_dir(parent)
 }
 
 /// Opens the ledger described by `config`, with `clock`.
@@ -199,18 +199,15 @@ fn existing_ancestor(dir: &Path) -> std::io::Result<std::path::PathBuf> {
     Ok(at)
 }
 
-/// Syncs the directories created for the data dir at this start, from `dir` up to `existing`
-/// (the ancestor that was there before), so that a data dir made at its first start is still
-/// there, with its ledger and key, after a machine crash: a new entry is durable only once its
-/// parent directory is synced. Nothing to do when the data dir already existed.
+/// Syncs `dir` and every directory created for it at this start, up to and including
+/// `existing` (the ancestor that was there before), so that a data dir made at its first start
+/// is still there, with its ledger and key, after a machine crash: a new entry is durable only
+/// once its parent directory is synced. When the data dir already existed only it is synced
+/// (the ledger's own entry in it may be new).
 fn sync_created_dirs(dir: &Path, existing: &Path) -> std::io::Result<()> {
     let mut at = std::path::absolute(dir)?;
-    if at == existing {
-        // The data dir was there; the ledger's own entry in it may be new.
-        return std::fs::File::open(&at)?.sync_all();
-    }
     loop {
-        std::fs::File::open(&at)?.sync_all()?;
+        crate::store::sync_dir(&at)?;
         if at == existing || !at.pop() {
             return Ok(());
         }
@@ -499,8 +496,9 @@ mod tests {
                 .len(),
             32
         );
-        // Nothing created: only the data dir itself is synced.
-        sync_created_dirs(&data_dir, &existing_ancestor(&data_dir).unwrap()).unwrap();
+        // At the next start the data dir exists: it is its own existing ancestor.
+        assert_eq!(existing_ancestor(&data_dir).unwrap(), data_dir);
+        open_ledger(&config, Arc::new(crate::clock::SystemClock)).unwrap();
     }
 
     #[test]

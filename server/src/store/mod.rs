@@ -20,6 +20,12 @@ pub use mem::MemStore;
 #[cfg(feature = "rocksdb")]
 pub use rocks::{RocksStore, StoreOptions};
 
+/// Syncs directory `dir` itself, so that the entries created or renamed in it survive a
+/// machine crash (a file's own sync does not cover its name).
+pub fn sync_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// How RocksDB compresses table files (the WAL is never compressed). A change applies to table
 /// files written from then on; older ones keep theirs until compaction rewrites them, and every
 /// setting reads them all.

@@ -97,7 +97,7 @@ fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), StoreError> {
         .and_then(|()| f.sync_all())
         .map_err(io(&tmp))?;
     std::fs::rename(&tmp, path).map_err(io(path))?;
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+    super::sync_dir(dir).map_err(io(dir))
 }
 
 /// The WAL files (`NNNNNN.log`) in `dir`, as (number, path), oldest first.
