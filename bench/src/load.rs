@@ -114,11 +114,22 @@ fn micros(d: Duration) -> u64 {
     (d.as_micros() as u64).clamp(1, 100_000_000)
 }
 
+/// The bare `fdatasync` floor: its latency and the CPU it costs.
+#[derive(Debug)]
+pub struct SyncFloor {
+    /// Latency of each write + `fdatasync`.
+    pub latency: Measured,
+    /// The measuring thread's CPU time (user + system) per write + `fdatasync`, when the
+    /// kernel reports it (`/proc/thread-self/schedstat`): mostly the kernel's work to submit
+    /// the write and the device flush, which no program that syncs can avoid.
+    pub cpu_per_sync: Option<Duration>,
+}
+
 /// The bare `fdatasync` floor: `count` appends of 100 bytes to a new file in `dir`, each
 /// followed by `fdatasync` (std's `sync_data`). With `preallocated`, the file is written
 /// first and the loop overwrites it in place (no size change to flush), as a WAL that
 /// recycles its files does.
-pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<Measured> {
+pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<SyncFloor> {
     let path = dir.join(format!("fdatasync-floor-{}.bin", std::process::id()));
     let mut file = std::fs::OpenOptions::new()
         .create(true)
@@ -135,6 +146,7 @@ pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<Mea
         use std::io::Seek;
         file.seek(std::io::SeekFrom::Start(0))?;
     }
+    let cpu_before = thread_cpu();
     let started = Instant::now();
     let mut m = Measured::new(Duration::ZERO);
     for _ in 0..count {
@@ -145,9 +157,32 @@ pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<Mea
         m.ops += 1;
     }
     m.window = started.elapsed();
+    let cpu_per_sync = match (cpu_before, thread_cpu()) {
+        (Some(before), Some(after)) if count > 0 => {
+            Some(after.saturating_sub(before) / count.try_into().unwrap_or(u32::MAX))
+        }
+        _ => None,
+    };
     drop(file);
     std::fs::remove_file(&path)?;
-    Ok(m)
+    Ok(SyncFloor {
+        latency: m,
+        cpu_per_sync,
+    })
+}
+
+/// The calling thread's CPU time (user + system) so far, from `/proc/thread-self/schedstat`,
+/// whose first field counts nanoseconds on the CPU (`/proc/PID/stat` counts 10 ms ticks,
+/// too coarse for a loop of a few thousand syscalls). `None` where the kernel does not
+/// report it.
+pub fn thread_cpu() -> Option<Duration> {
+    parse_schedstat(&std::fs::read_to_string("/proc/thread-self/schedstat").ok()?)
+}
+
+/// The time on the CPU in a `schedstat` line (`<ns on cpu> <ns waiting> <timeslices>`).
+fn parse_schedstat(line: &str) -> Option<Duration> {
+    let ns = line.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
 }
 
 /// Round trips of the standard gRPC health check: the network and gRPC cost of one call,
@@ -1149,6 +1184,50 @@ mod tests {
         assert_eq!(steal_between(None, Some((10, 1000))), None);
         #[cfg(target_os = "linux")]
         assert!(cpu_ticks().is_some());
+    }
+
+    #[test]
+    fn a_threads_cpu_time_is_read_in_nanoseconds() {
+        assert_eq!(
+            parse_schedstat("1770329 383689 3\n"),
+            Some(Duration::from_nanos(1_770_329))
+        );
+        assert_eq!(parse_schedstat(""), None);
+        assert_eq!(parse_schedstat("x 1 2"), None);
+        #[cfg(target_os = "linux")]
+        {
+            // The reading grows while the thread computes (bounded by the wall clock, so a
+            // reading that never moves fails instead of spinning forever).
+            let before = thread_cpu().expect("schedstat on Linux");
+            let spin = Instant::now();
+            let mut x = 0u64;
+            let mut spent = Duration::ZERO;
+            while spent < Duration::from_millis(5) && spin.elapsed() < Duration::from_secs(10) {
+                for _ in 0..10_000 {
+                    x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                }
+                spent = thread_cpu().unwrap() - before;
+            }
+            assert!(spent >= Duration::from_millis(5), "{spent:?}");
+        }
+    }
+
+    /// The floor loop times every sync and says what CPU each cost.
+    #[test]
+    fn the_fdatasync_floor_measures_latency_and_cpu() {
+        let dir = tempfile::tempdir().unwrap();
+        for preallocated in [false, true] {
+            let floor = fdatasync_floor(dir.path(), 20, preallocated).unwrap();
+            assert_eq!(floor.latency.ops, 20);
+            assert_eq!(floor.latency.hist.len(), 20);
+            #[cfg(target_os = "linux")]
+            assert!(floor.cpu_per_sync.unwrap() > Duration::ZERO);
+        }
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "file removed"
+        );
     }
 
     /// Every transport of the load generator does its effects against a real server: a

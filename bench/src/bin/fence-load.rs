@@ -257,6 +257,7 @@ async fn compare(
     let rtt = load::grpc_round_trip(fenced.channel().await?, 2000).await?;
     // `fenced` writes its WAL ahead at start (--wal-prime-mb), so its syncs overwrite: the
     // floor takes the overwrite's sync, the lower of the two.
+    let (append, overwrite) = (append.latency, overwrite.latency);
     let floor = 2.0 * overwrite.p50() + 2.0 * rtt.p50();
     println!("\n## The floor\n");
     println!("| what | p50 ms | p99 ms |\n|---|---:|---:|");
@@ -550,7 +551,8 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
             own.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64,
             steal(&m)
         );
-        measured.push((c, m.throughput()));
+        let cpu_per_effect = cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64;
+        measured.push((c, m.throughput(), cpu_per_effect));
     }
     // The RPC stack's ceiling on the same server and connections: health checks, no disk.
     let chans = target.channels().expect("cost measures Fence").to_vec();
@@ -558,20 +560,48 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     println!(
         "\n| concurrency | health checks/s (tonic ceiling) | fenced CPU us per check | Fence RPCs/s (2 per effect) | Fence / ceiling |\n|---:|---:|---:|---:|---:|"
     );
-    for (c, fence_rate) in measured {
+    let mut floors = Vec::new();
+    for &(c, fence_rate, fence_cpu) in &measured {
         let before = load::process_cpu(fenced.pid())?;
         let budget = load::Budget::Turns((effects / c as u64).max(1));
         let m = load::run_loop(&health, &format!("health-c{c}"), c, 1, budget).await?;
         let cpu = load::process_cpu(fenced.pid())? - before;
         let rpcs = fence_rate * 2.0 / batch as f64;
+        let per_check = cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64;
         println!(
-            "| {c} | {:.0} | {:.0} | {rpcs:.0} | {:.2} |",
+            "| {c} | {:.0} | {per_check:.0} | {rpcs:.0} | {:.2} |",
             m.throughput(),
-            cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64,
             rpcs / m.throughput().max(1e-9)
         );
+        floors.push((c, per_check, fence_cpu));
     }
     fenced.stop().await;
+
+    // The CPU floor: what two empty calls and two bare syncs cost on this machine, however
+    // little the engine does. The syncs run on the data dir's file system, one thread.
+    let sync_dir = dir.clone();
+    let sync =
+        tokio::task::spawn_blocking(move || load::fdatasync_floor(&sync_dir, 3000, true)).await??;
+    if let Some(sync_cpu) = sync.cpu_per_sync {
+        let sync_us = sync_cpu.as_secs_f64() * 1e6;
+        println!(
+            "\nCPU floor per effect: 2 health checks + 2 fdatasync (preallocated file, {sync_us:.0} us CPU each, p50 {:.3} ms)\n",
+            sync.latency.p50()
+        );
+        println!(
+            "| concurrency | floor CPU us per effect | fenced CPU us per effect | fenced / floor |\n|---:|---:|---:|---:|"
+        );
+        for (c, per_check, fence_cpu) in floors {
+            // Concurrent requests share a sync (group commit), so above c=1 the floor's sync
+            // share is an upper bound; the health checks' share is measured at that level.
+            let floor = 2.0 * per_check + if c == 1 { 2.0 * sync_us } else { 0.0 };
+            println!(
+                "| {c} | {floor:.0}{} | {fence_cpu:.0} | {:.2} |",
+                if c == 1 { "" } else { " (calls only)" },
+                fence_cpu / floor.max(1e-9)
+            );
+        }
+    }
     if common.dir.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
