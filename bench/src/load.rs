@@ -114,22 +114,22 @@ fn micros(d: Duration) -> u64 {
     (d.as_micros() as u64).clamp(1, 100_000_000)
 }
 
-/// The bare `fdatasync` floor: its latency and the CPU it costs.
+/// One part of the floor: its latency and the CPU it costs.
 #[derive(Debug)]
-pub struct SyncFloor {
-    /// Latency of each write + `fdatasync`.
+pub struct Floor {
+    /// Latency of each operation.
     pub latency: Measured,
-    /// The measuring thread's CPU time (user + system) per write + `fdatasync`, when the
-    /// kernel reports it (`/proc/thread-self/schedstat`): mostly the kernel's work to submit
-    /// the write and the device flush, which no program that syncs can avoid.
-    pub cpu_per_sync: Option<Duration>,
+    /// The CPU time (user + system) of the thread doing the floor's side of each operation,
+    /// when the kernel reports it (`/proc/thread-self/schedstat`): the work no program doing
+    /// that operation can avoid.
+    pub cpu_per_op: Option<Duration>,
 }
 
 /// The bare `fdatasync` floor: `count` appends of 100 bytes to a new file in `dir`, each
 /// followed by `fdatasync` (std's `sync_data`). With `preallocated`, the file is written
 /// first and the loop overwrites it in place (no size change to flush), as a WAL that
 /// recycles its files does.
-pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<SyncFloor> {
+pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<Floor> {
     let path = dir.join(format!("fdatasync-floor-{}.bin", std::process::id()));
     let mut file = std::fs::OpenOptions::new()
         .create(true)
@@ -157,17 +157,68 @@ pub fn fdatasync_floor(dir: &Path, count: u64, preallocated: bool) -> Result<Syn
         m.ops += 1;
     }
     m.window = started.elapsed();
-    let cpu_per_sync = match (cpu_before, thread_cpu()) {
-        (Some(before), Some(after)) if count > 0 => {
-            Some(after.saturating_sub(before) / count.try_into().unwrap_or(u32::MAX))
-        }
-        _ => None,
-    };
+    let cpu_per_op = cpu_per_op(cpu_before, count);
     drop(file);
     std::fs::remove_file(&path)?;
-    Ok(SyncFloor {
+    Ok(Floor {
         latency: m,
-        cpu_per_sync,
+        cpu_per_op,
+    })
+}
+
+/// The calling thread's CPU since `before`, per one of `count` operations.
+fn cpu_per_op(before: Option<Duration>, count: u64) -> Option<Duration> {
+    let spent = thread_cpu()?.saturating_sub(before?);
+    (count > 0).then(|| spent / u32::try_from(count).unwrap_or(u32::MAX))
+}
+
+/// The bare network floor: `count` round trips of 100 bytes over loopback TCP (no delay) to
+/// an echo thread, after `count / 10` unmeasured ones. `cpu_per_op` is the echo thread's CPU
+/// per round trip: what a server that does nothing but read a request and write an answer
+/// costs per call, with no RPC framework at all.
+pub fn tcp_echo_floor(count: u64) -> Result<Floor> {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let warm = count / 10;
+    let echo = std::thread::spawn(move || -> std::io::Result<Option<Duration>> {
+        let (mut conn, _) = listener.accept()?;
+        conn.set_nodelay(true)?;
+        let mut buf = [0u8; 100];
+        let mut before = None;
+        for i in 0..warm + count {
+            if i == warm {
+                before = thread_cpu();
+            }
+            conn.read_exact(&mut buf)?;
+            conn.write_all(&buf)?;
+        }
+        Ok(cpu_per_op(before, count))
+    });
+    let mut conn = std::net::TcpStream::connect(addr)?;
+    conn.set_nodelay(true)?;
+    let mut buf = [7u8; 100];
+    let mut m = Measured::new(Duration::ZERO);
+    let mut started = Instant::now();
+    for i in 0..warm + count {
+        if i == warm {
+            started = Instant::now();
+        }
+        let t = Instant::now();
+        conn.write_all(&buf)?;
+        conn.read_exact(&mut buf)?;
+        if i >= warm {
+            m.hist.record(micros(t.elapsed()))?;
+            m.ops += 1;
+        }
+    }
+    m.window = started.elapsed();
+    let cpu_per_op = echo
+        .join()
+        .map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
+    Ok(Floor {
+        latency: m,
+        cpu_per_op,
     })
 }
 
@@ -1221,13 +1272,24 @@ mod tests {
             assert_eq!(floor.latency.ops, 20);
             assert_eq!(floor.latency.hist.len(), 20);
             #[cfg(target_os = "linux")]
-            assert!(floor.cpu_per_sync.unwrap() > Duration::ZERO);
+            assert!(floor.cpu_per_op.unwrap() > Duration::ZERO);
         }
         assert_eq!(
             std::fs::read_dir(dir.path()).unwrap().count(),
             0,
             "file removed"
         );
+    }
+
+    /// The echo floor times every measured round trip and says what the echo side cost.
+    #[test]
+    fn the_tcp_echo_floor_measures_round_trips_and_the_echo_threads_cpu() {
+        let floor = tcp_echo_floor(200).unwrap();
+        assert_eq!(floor.latency.ops, 200);
+        assert_eq!(floor.latency.hist.len(), 200);
+        assert!(floor.latency.window > Duration::ZERO);
+        #[cfg(target_os = "linux")]
+        assert!(floor.cpu_per_op.unwrap() > Duration::ZERO);
     }
 
     /// Every transport of the load generator does its effects against a real server: a

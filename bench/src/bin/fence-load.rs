@@ -577,28 +577,41 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     }
     fenced.stop().await;
 
-    // The CPU floor: what two empty calls and two bare syncs cost on this machine, however
-    // little the engine does. The syncs run on the data dir's file system, one thread.
+    // The CPU floor: what two calls and two bare syncs cost on this machine, however little
+    // the engine does: calls as empty gRPC health checks, and as bare TCP echoes (no RPC
+    // framework at all). The syncs run on the data dir's file system.
     let sync_dir = dir.clone();
-    let sync =
-        tokio::task::spawn_blocking(move || load::fdatasync_floor(&sync_dir, 3000, true)).await??;
-    if let Some(sync_cpu) = sync.cpu_per_sync {
-        let sync_us = sync_cpu.as_secs_f64() * 1e6;
+    let (sync, echo) = tokio::task::spawn_blocking(move || -> Result<_> {
+        Ok((
+            load::fdatasync_floor(&sync_dir, 3000, true)?,
+            load::tcp_echo_floor(5000)?,
+        ))
+    })
+    .await??;
+    if let (Some(sync_cpu), Some(echo_cpu)) = (sync.cpu_per_op, echo.cpu_per_op) {
+        let (sync_us, echo_us) = (sync_cpu.as_secs_f64() * 1e6, echo_cpu.as_secs_f64() * 1e6);
         println!(
-            "\nCPU floor per effect: 2 health checks + 2 fdatasync (preallocated file, {sync_us:.0} us CPU each, p50 {:.3} ms)\n",
-            sync.latency.p50()
+            "\nCPU floor per effect: 2 calls + 2 fdatasync of a preallocated file ({sync_us:.0} us CPU each, p50 {:.3} ms); a bare TCP echo costs its server thread {echo_us:.0} us per round trip (p50 {:.3} ms)\n",
+            sync.latency.p50(),
+            echo.latency.p50()
         );
         println!(
-            "| concurrency | floor CPU us per effect | fenced CPU us per effect | fenced / floor |\n|---:|---:|---:|---:|"
+            "| concurrency | floor with gRPC calls, CPU us per effect | floor with bare TCP echoes | fenced CPU us per effect | fenced / gRPC floor |\n|---:|---:|---:|---:|---:|"
         );
         for (c, per_check, fence_cpu) in floors {
-            // Concurrent requests share a sync (group commit), so above c=1 the floor's sync
-            // share is an upper bound; the health checks' share is measured at that level.
-            let floor = 2.0 * per_check + if c == 1 { 2.0 * sync_us } else { 0.0 };
+            // Concurrent requests share a sync (group commit) and a wake-up, so above c=1 only
+            // the calls' share is a floor, measured at that level for gRPC.
+            let syncs = if c == 1 { 2.0 * sync_us } else { 0.0 };
+            let grpc = 2.0 * per_check + syncs;
+            let bare = if c == 1 {
+                format!("{:.0}", 2.0 * echo_us + syncs)
+            } else {
+                "-".to_string()
+            };
             println!(
-                "| {c} | {floor:.0}{} | {fence_cpu:.0} | {:.2} |",
+                "| {c} | {grpc:.0}{} | {bare} | {fence_cpu:.0} | {:.2} |",
                 if c == 1 { "" } else { " (calls only)" },
-                fence_cpu / floor.max(1e-9)
+                fence_cpu / grpc.max(1e-9)
             );
         }
     }
