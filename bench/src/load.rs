@@ -319,6 +319,54 @@ impl EffectClient for HealthChecks {
     }
 }
 
+/// One empty message per turn on a Session stream of the worker's own (see
+/// [`Target::SessionProbe`]).
+struct SessionProbes {
+    calls: tokio::sync::mpsc::Sender<pb::SessionRequest>,
+    answers: tonic::Streaming<pb::SessionResponse>,
+}
+
+impl SessionProbes {
+    async fn open(channel: Channel) -> Result<Self> {
+        let (calls, rx) = tokio::sync::mpsc::channel(1);
+        let answers = FenceClient::new(channel)
+            .session(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .context("open a Session stream")?
+            .into_inner();
+        Ok(Self { calls, answers })
+    }
+}
+
+impl EffectClient for SessionProbes {
+    fn batch(&self) -> u64 {
+        1
+    }
+
+    async fn effect(&mut self, _worker: u64, n: u64) -> Result<()> {
+        let call = pb::SessionRequest {
+            id: n,
+            ..Default::default()
+        };
+        self.calls
+            .send(call)
+            .await
+            .context("the Session stream closed")?;
+        let answer = self
+            .answers
+            .message()
+            .await
+            .context("Session stream")?
+            .context("the Session stream ended")?;
+        // The server refuses a message with no call in it before any decision: an error
+        // answer for this message is the round trip this measures, anything else a bug.
+        match answer.result {
+            Some(pb::session_response::Result::Error(_)) if answer.id == n => Ok(()),
+            other => bail!("expected the refusal of empty message {n}, got {other:?}"),
+        }
+    }
+}
+
 /// The completion of effect `n`'s grant.
 fn completion(ex: pb::Execute, worker: u64, n: u64) -> pb::CompleteRequest {
     pb::CompleteRequest {
@@ -643,7 +691,8 @@ impl Target {
             Target::Fence(c)
             | Target::FenceSession(c)
             | Target::FenceSharedSession(c)
-            | Target::Health(c) => Some(c),
+            | Target::Health(c)
+            | Target::SessionProbe(c) => Some(c),
             Target::Postgres(_) => None,
         }
     }
@@ -661,6 +710,10 @@ pub enum Target {
     /// The standard gRPC health check over these channels, one call per turn: the RPC stack's
     /// ceiling on the same server, with no disk and no ledger in it.
     Health(Vec<Channel>),
+    /// Empty messages on a Session stream per worker over these channels, one per turn: the
+    /// server refuses each before any decision, so this is the stream transport's ceiling,
+    /// with no disk and no ledger in it.
+    SessionProbe(Vec<Channel>),
     /// The Postgres peer at this URL (one connection per worker).
     Postgres(String),
 }
@@ -762,6 +815,11 @@ pub async fn run_loop(
                 let client = HealthChecks(tonic_health::pb::health_client::HealthClient::new(
                     channels[w as usize % channels.len()].clone(),
                 ));
+                tasks.push(tokio::spawn(worker(client, w, start, limit, failures)));
+            }
+            Target::SessionProbe(channels) => {
+                let client =
+                    SessionProbes::open(channels[w as usize % channels.len()].clone()).await?;
                 tasks.push(tokio::spawn(worker(client, w, start, limit, failures)));
             }
             Target::Postgres(url) => {
@@ -1314,6 +1372,16 @@ mod tests {
             let m = run_loop(&target, &label, 6, 1, Budget::Turns(15)).await;
             let m = m.unwrap_or_else(|e| panic!("{}: {e:#}", transport.label()));
             assert_eq!(m.ops, 6 * 15, "{}", transport.label());
+        }
+        // The RPC stack's ceilings on the same server: every turn answered as expected
+        // (a probe answered with anything but its refusal fails the loop).
+        for (name, target) in [
+            ("health", Target::Health(channels.clone())),
+            ("session probe", Target::SessionProbe(channels.clone())),
+        ] {
+            let m = run_loop(&target, name, 6, 1, Budget::Turns(15)).await;
+            let m = m.unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            assert_eq!(m.ops, 6 * 15, "{name}");
         }
         server.stop().await;
     }

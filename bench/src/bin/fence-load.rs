@@ -1,13 +1,15 @@
 //! `fence-load`: what a durable decision costs.
 //!
 //! - `fence-load compare`: in one run, the physical floor (a bare `fdatasync` loop on the data
-//!   disk, a gRPC round trip on loopback), Fence (begin+complete per effect over gRPC against
+//!   disk, a gRPC round trip on loopback: a health check, or an empty message on a Session
+//!   stream for the session transports), Fence (begin+complete per effect over gRPC against
 //!   a `fenced` child process, WAL sync on) and, with `--postgres URL`, the same effect ledger
 //!   as an idempotency-key table in PostgreSQL with `synchronous_commit=on`, at each
 //!   concurrency; then the targets, met or not.
 //! - `fence-load scale`: latency and server memory with 0, 1M, 10M... stored effects.
 //! - `fence-load cost`: `fenced`'s CPU time per effect (user + system, from /proc) over a
-//!   fixed number of effects at each concurrency: a measure that machine noise barely moves.
+//!   fixed number of effects at each concurrency: a measure that machine noise barely moves;
+//!   then the RPC stack's ceilings (empty calls) and the CPU floor per effect.
 //! - `fence-load ledger`: the ledger alone in this process (no gRPC), a fixed number of
 //!   effects in one function, for `valgrind --tool=callgrind` to count instructions per
 //!   effect (see scripts/bench-cost.sh).
@@ -257,8 +259,18 @@ async fn compare(
     let rtt = load::grpc_round_trip(fenced.channel().await?, 2000).await?;
     // `fenced` writes its WAL ahead at start (--wal-prime-mb), so its syncs overwrite: the
     // floor takes the overwrite's sync, the lower of the two.
+    // A message on a Session stream skips a unary call's stream set-up: the floor of a
+    // session transport takes its own round trip (an empty message, refused before any
+    // decision), after 200 unmeasured ones.
+    let probe = Target::SessionProbe(vec![fenced.channel().await?]);
+    load::run_loop(&probe, "floor-probe-warm", 1, 1, load::Budget::Turns(200)).await?;
+    let probe = load::run_loop(&probe, "floor-probe", 1, 1, load::Budget::Turns(2000)).await?;
     let (append, overwrite) = (append.latency, overwrite.latency);
-    let floor = 2.0 * overwrite.p50() + 2.0 * rtt.p50();
+    let (round_trip, via) = match common.transport() {
+        load::FenceTransport::Unary => (&rtt, "gRPC round trips (health check)"),
+        _ => (&probe, "Session stream round trips"),
+    };
+    let floor = 2.0 * overwrite.p50() + 2.0 * round_trip.p50();
     println!("\n## The floor\n");
     println!("| what | p50 ms | p99 ms |\n|---|---:|---:|");
     println!(
@@ -276,7 +288,12 @@ async fn compare(
         rtt.p50(),
         rtt.p99()
     );
-    println!("| floor of begin+complete: 2 fdatasync (overwrite) + 2 round trips | {floor:.3} | |");
+    println!(
+        "| round trip of an empty message on a Session stream (refused before any decision) | {:.3} | {:.3} |",
+        probe.p50(),
+        probe.p99()
+    );
+    println!("| floor of begin+complete: 2 fdatasync (overwrite) + 2 {via} | {floor:.3} | |");
 
     // Fence.
     load::register_tool(fenced.channel().await?).await?;
@@ -554,32 +571,41 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
         let cpu_per_effect = cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64;
         measured.push((c, m.throughput(), cpu_per_effect));
     }
-    // The RPC stack's ceiling on the same server and connections: health checks, no disk.
+    // The RPC stack's ceilings on the same server and connections, no disk and no ledger:
+    // unary health checks, and empty messages on a Session stream per worker (refused before
+    // any decision).
     let chans = target.channels().expect("cost measures Fence").to_vec();
-    let health = Target::Health(chans);
+    let ceilings = [Target::Health(chans.clone()), Target::SessionProbe(chans)];
     println!(
-        "\n| concurrency | health checks/s (tonic ceiling) | fenced CPU us per check | Fence RPCs/s (2 per effect) | Fence / ceiling |\n|---:|---:|---:|---:|---:|"
+        "\n| concurrency | health checks/s (tonic ceiling) | fenced CPU us per check | empty Session messages/s | fenced CPU us per message | Fence calls/s (2 per effect) | Fence / health ceiling | Fence / Session ceiling |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let mut floors = Vec::new();
     for &(c, fence_rate, fence_cpu) in &measured {
-        let before = load::process_cpu(fenced.pid())?;
-        let budget = load::Budget::Turns((effects / c as u64).max(1));
-        let m = load::run_loop(&health, &format!("health-c{c}"), c, 1, budget).await?;
-        let cpu = load::process_cpu(fenced.pid())? - before;
-        let rpcs = fence_rate * 2.0 / batch as f64;
-        let per_check = cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64;
+        let mut rates = Vec::new();
+        for (i, ceiling) in ceilings.iter().enumerate() {
+            let before = load::process_cpu(fenced.pid())?;
+            let budget = load::Budget::Turns((effects / c as u64).max(1));
+            let m = load::run_loop(ceiling, &format!("ceiling{i}-c{c}"), c, 1, budget).await?;
+            let cpu = load::process_cpu(fenced.pid())? - before;
+            let per_call = cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64;
+            rates.push((m.throughput(), per_call));
+        }
+        let [(health, per_check), (probes, per_message)] = rates[..] else {
+            unreachable!("two ceilings measured")
+        };
+        let calls = fence_rate * 2.0 / batch as f64;
         println!(
-            "| {c} | {:.0} | {per_check:.0} | {rpcs:.0} | {:.2} |",
-            m.throughput(),
-            rpcs / m.throughput().max(1e-9)
+            "| {c} | {health:.0} | {per_check:.0} | {probes:.0} | {per_message:.0} | {calls:.0} | {:.2} | {:.2} |",
+            calls / health.max(1e-9),
+            calls / probes.max(1e-9)
         );
-        floors.push((c, per_check, fence_cpu));
+        floors.push((c, per_check.min(per_message), fence_cpu));
     }
     fenced.stop().await;
 
     // The CPU floor: what two calls and two bare syncs cost on this machine, however little
-    // the engine does: calls as empty gRPC health checks, and as bare TCP echoes (no RPC
-    // framework at all). The syncs run on the data dir's file system.
+    // the engine does: calls as the cheaper of the two empty gRPC calls above, and as bare
+    // TCP echoes (no RPC framework at all). The syncs run on the data dir's file system.
     let sync_dir = dir.clone();
     let (sync, echo) = tokio::task::spawn_blocking(move || -> Result<_> {
         Ok((
@@ -596,13 +622,13 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
             echo.latency.p50()
         );
         println!(
-            "| concurrency | floor with gRPC calls, CPU us per effect | floor with bare TCP echoes | fenced CPU us per effect | fenced / gRPC floor |\n|---:|---:|---:|---:|---:|"
+            "| concurrency | floor with gRPC calls (the cheaper empty call), CPU us per effect | floor with bare TCP echoes | fenced CPU us per effect | fenced / gRPC floor |\n|---:|---:|---:|---:|---:|"
         );
-        for (c, per_check, fence_cpu) in floors {
+        for (c, per_call, fence_cpu) in floors {
             // Concurrent requests share a sync (group commit) and a wake-up, so above c=1 only
             // the calls' share is a floor, measured at that level for gRPC.
             let syncs = if c == 1 { 2.0 * sync_us } else { 0.0 };
-            let grpc = 2.0 * per_check + syncs;
+            let grpc = 2.0 * per_call + syncs;
             let bare = if c == 1 {
                 format!("{:.0}", 2.0 * echo_us + syncs)
             } else {
