@@ -236,27 +236,19 @@ fn parse_schedstat(line: &str) -> Option<Duration> {
     Some(Duration::from_nanos(ns))
 }
 
-/// Round trips of the standard gRPC health check: the network and gRPC cost of one call,
-/// with no disk in it.
-pub async fn grpc_round_trip(channel: Channel, count: u64) -> Result<Measured> {
-    let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
-    let started = Instant::now();
-    let mut m = Measured::new(Duration::ZERO);
-    for i in 0..count + count / 10 {
-        let t = Instant::now();
-        client
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: String::new(),
-            })
-            .await
-            .context("health check")?;
-        if i >= count / 10 {
-            m.hist.record(micros(t.elapsed()))?;
-            m.ops += 1;
-        }
-    }
-    m.window = started.elapsed();
-    Ok(m)
+/// `count` round trips of one worker on `target` (a ceiling: [`Target::Health`] or
+/// [`Target::SessionProbe`]), after `count / 10` unmeasured ones: the network and gRPC cost
+/// of one call, with no disk in it.
+pub async fn round_trips(target: &Target, count: u64) -> Result<Measured> {
+    run_loop(
+        target,
+        "round-trips-warm",
+        1,
+        1,
+        Budget::Turns((count / 10).max(1)),
+    )
+    .await?;
+    run_loop(target, "round-trips", 1, 1, Budget::Turns(count)).await
 }
 
 /// Arguments of the `n`-th load effect: intent fields plus volatile ones, ~150 bytes.
@@ -1382,6 +1374,10 @@ mod tests {
             let m = run_loop(&target, name, 6, 1, Budget::Turns(15)).await;
             let m = m.unwrap_or_else(|e| panic!("{name}: {e:#}"));
             assert_eq!(m.ops, 6 * 15, "{name}");
+            // The floor's round trips: only the measured ones counted.
+            let m = round_trips(&target, 20).await;
+            let m = m.unwrap_or_else(|e| panic!("{name} round trips: {e:#}"));
+            assert_eq!((m.ops, m.hist.len()), (20, 20), "{name}");
         }
         server.stop().await;
     }

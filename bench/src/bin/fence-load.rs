@@ -256,15 +256,14 @@ async fn compare(
     .await??;
     let data = dir.join("fence-data");
     let fenced = start_fenced(&common, &data, &dir.join("fenced.log")).await?;
-    let rtt = load::grpc_round_trip(fenced.channel().await?, 2000).await?;
+    let rtt = load::round_trips(&Target::Health(vec![fenced.channel().await?]), 2000).await?;
     // `fenced` writes its WAL ahead at start (--wal-prime-mb), so its syncs overwrite: the
     // floor takes the overwrite's sync, the lower of the two.
     // A message on a Session stream skips a unary call's stream set-up: the floor of a
     // session transport takes its own round trip (an empty message, refused before any
-    // decision), after 200 unmeasured ones.
+    // decision).
     let probe = Target::SessionProbe(vec![fenced.channel().await?]);
-    load::run_loop(&probe, "floor-probe-warm", 1, 1, load::Budget::Turns(200)).await?;
-    let probe = load::run_loop(&probe, "floor-probe", 1, 1, load::Budget::Turns(2000)).await?;
+    let probe = load::round_trips(&probe, 2000).await?;
     let (append, overwrite) = (append.latency, overwrite.latency);
     let (round_trip, via) = match common.transport() {
         load::FenceTransport::Unary => (&rtt, "gRPC round trips (health check)"),
@@ -564,12 +563,11 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
             cpu.total().as_secs_f64(),
             cpu.user.as_secs_f64(),
             cpu.system.as_secs_f64(),
-            cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64,
-            own.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64,
+            us_each(cpu.total(), m.ops),
+            us_each(own.total(), m.ops),
             steal(&m)
         );
-        let cpu_per_effect = cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64;
-        measured.push((c, m.throughput(), cpu_per_effect));
+        measured.push((c, m.throughput(), us_each(cpu.total(), m.ops)));
     }
     // The RPC stack's ceilings on the same server and connections, no disk and no ledger:
     // unary health checks, and empty messages on a Session stream per worker (refused before
@@ -587,8 +585,7 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
             let budget = load::Budget::Turns((effects / c as u64).max(1));
             let m = load::run_loop(ceiling, &format!("ceiling{i}-c{c}"), c, 1, budget).await?;
             let cpu = load::process_cpu(fenced.pid())? - before;
-            let per_call = cpu.total().as_secs_f64() * 1e6 / m.ops.max(1) as f64;
-            rates.push((m.throughput(), per_call));
+            rates.push((m.throughput(), us_each(cpu.total(), m.ops)));
         }
         let [(health, per_check), (probes, per_message)] = rates[..] else {
             unreachable!("two ceilings measured")
@@ -645,6 +642,11 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
+}
+
+/// CPU time `total` per one of `ops` operations, in microseconds.
+fn us_each(total: Duration, ops: u64) -> f64 {
+    total.as_secs_f64() * 1e6 / ops.max(1) as f64
 }
 
 fn ledger(
