@@ -5,8 +5,9 @@
 //! RPC that failed because of a kill waits for the restart instead of spinning.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -41,10 +42,7 @@ struct Running {
 
 /// A supervised `fenced` child process.
 pub struct Fenced {
-    binary: PathBuf,
-    data_dir: PathBuf,
-    args: Vec<String>,
-    log: PathBuf,
+    launch: Arc<Launch>,
     running: Mutex<Option<Running>>,
     channel: watch::Sender<Option<Vec<Channel>>>,
     connections: usize,
@@ -53,50 +51,81 @@ pub struct Fenced {
     url: std::sync::Mutex<String>,
 }
 
+/// How the server is started, each time alike.
+struct Launch {
+    /// A program `binary` runs under, with its arguments (empty: none), e.g. valgrind.
+    prefix: Vec<String>,
+    binary: PathBuf,
+    data_dir: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+}
+
 impl std::fmt::Debug for Fenced {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fenced")
-            .field("binary", &self.binary)
-            .field("data_dir", &self.data_dir)
+            .field("binary", &self.launch.binary)
+            .field("data_dir", &self.launch.data_dir)
             .finish()
     }
 }
 
-fn spawn(binary: &Path, data_dir: &Path, args: &[String], log: &Path) -> Result<Running> {
-    let stderr = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .with_context(|| format!("open {}", log.display()))?;
-    let mut child = Command::new(binary)
-        .args(["--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data_dir)
-        .args(args)
-        .env(
-            "RUST_LOG",
-            std::env::var("FENCED_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(stderr))
-        .spawn()
-        .with_context(|| format!("spawn {}", binary.display()))?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().context("child stdout")?)
-        .read_line(&mut line)
-        .context("read the ready line")?;
-    let Some(addr) = line.trim().strip_prefix("fenced listening on ") else {
-        let _ = child.kill();
-        let _ = child.wait();
-        bail!(
-            "fenced did not start (ready line {line:?}); see {}",
-            log.display()
-        );
-    };
-    Ok(Running {
-        url: format!("http://{addr}"),
-        child,
-    })
+impl Launch {
+    /// Starts the server and reads its ready line (blocking).
+    fn spawn(&self) -> Result<Running> {
+        let Launch {
+            prefix,
+            binary,
+            data_dir,
+            args,
+            log,
+        } = self;
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("open {}", log.display()))?;
+        let mut command = match prefix.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(binary);
+                c
+            }
+            None => Command::new(binary),
+        };
+        let mut child = command
+            .args(["--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("FENCED_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr))
+            .spawn()
+            .with_context(|| {
+                let under: String = prefix.iter().map(|p| format!("{p} ")).collect();
+                format!("spawn {under}{}", binary.display())
+            })?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().context("child stdout")?)
+            .read_line(&mut line)
+            .context("read the ready line")?;
+        let Some(addr) = line.trim().strip_prefix("fenced listening on ") else {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "fenced did not start (ready line {line:?}); see {}",
+                log.display()
+            );
+        };
+        Ok(Running {
+            url: format!("http://{addr}"),
+            child,
+        })
+    }
 }
 
 /// `n` separate HTTP/2 connections to `url`.
@@ -123,26 +152,33 @@ async fn connect(url: &str, n: usize) -> Result<Vec<Channel>> {
 }
 
 impl Fenced {
-    /// Starts `binary` over `data_dir` with extra flags; its stderr goes to `log`. Callers
-    /// share `connections` HTTP/2 connections (see [`Fenced::channel_for`]).
+    /// Starts `binary` over `data_dir` with extra flags, run under `prefix` when it is not
+    /// empty (a program and its arguments that execs it, e.g. `valgrind --tool=callgrind`:
+    /// [`Fenced::pid`] is then that program's); its stderr goes to `log`. Callers share
+    /// `connections` HTTP/2 connections (see [`Fenced::channel_for`]).
     pub async fn start(
+        prefix: Vec<String>,
         binary: PathBuf,
         data_dir: PathBuf,
         args: Vec<String>,
         log: PathBuf,
         connections: usize,
     ) -> Result<Self> {
-        let (b, d, a, l) = (binary.clone(), data_dir.clone(), args.clone(), log.clone());
-        let running = tokio::task::spawn_blocking(move || spawn(&b, &d, &a, &l)).await??;
+        let launch = Arc::new(Launch {
+            prefix,
+            binary,
+            data_dir,
+            args,
+            log,
+        });
+        let l = launch.clone();
+        let running = tokio::task::spawn_blocking(move || l.spawn()).await??;
         let channel = connect(&running.url, connections).await?;
         let pid = AtomicU64::new(u64::from(running.child.id()));
         let url = std::sync::Mutex::new(running.url.clone());
         Ok(Self {
             url,
-            binary,
-            data_dir,
-            args,
-            log,
+            launch,
             running: Mutex::new(Some(running)),
             channel: watch::channel(Some(channel)).0,
             connections,
@@ -223,13 +259,8 @@ impl Fenced {
     }
 
     async fn spawn_and_connect(&self) -> Result<(Running, Vec<Channel>)> {
-        let (b, d, a, l) = (
-            self.binary.clone(),
-            self.data_dir.clone(),
-            self.args.clone(),
-            self.log.clone(),
-        );
-        let mut r = tokio::task::spawn_blocking(move || spawn(&b, &d, &a, &l)).await??;
+        let launch = self.launch.clone();
+        let mut r = tokio::task::spawn_blocking(move || launch.spawn()).await??;
         match connect(&r.url, self.connections).await {
             Ok(channel) => Ok((r, channel)),
             Err(e) => {

@@ -236,6 +236,28 @@ fn parse_schedstat(line: &str) -> Option<Duration> {
     Some(Duration::from_nanos(ns))
 }
 
+/// The timeslices in a `schedstat` line: how many times the thread was put on a CPU.
+fn schedstat_slices(line: &str) -> Option<u64> {
+    line.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// How many times the threads of process `pid` now alive have been put on a CPU (the sum of
+/// `/proc/PID/task/*/schedstat`'s timeslices): near the count of their wake-ups, each of which
+/// costs a context switch and, on an idle core, an interrupt. A thread that ends between two
+/// readings takes its count with it, so this suits a process whose threads live long (a
+/// server's workers). `None` where the kernel does not report it.
+pub fn process_slices(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0;
+    for task in tasks.flatten() {
+        // A thread may end between the listing and the read: it no longer counts.
+        if let Ok(line) = std::fs::read_to_string(task.path().join("schedstat")) {
+            total += schedstat_slices(&line)?;
+        }
+    }
+    Some(total)
+}
+
 /// `count` round trips of one worker on `target` (a ceiling: [`Target::Health`] or
 /// [`Target::SessionProbe`]), after `count / 10` unmeasured ones: the network and gRPC cost
 /// of one call, with no disk in it.
@@ -1287,6 +1309,27 @@ mod tests {
         assert!(cpu_ticks().is_some());
     }
 
+    /// Every wake-up of a thread puts it on a CPU once more, and a process counts all of its
+    /// threads' (other test threads may end meanwhile, so the sum is checked against this
+    /// thread's own count, which is part of it).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_process_counts_its_threads_wake_ups() {
+        let own = || {
+            schedstat_slices(&std::fs::read_to_string("/proc/thread-self/schedstat").unwrap())
+                .unwrap()
+        };
+        let before = own();
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let after = own();
+        assert!(after >= before + 20, "{before} -> {after}");
+        let all = process_slices(std::process::id()).expect("schedstat on Linux");
+        assert!(all >= after, "{all} < {after}");
+        assert_eq!(process_slices(u32::MAX), None, "no such process");
+    }
+
     #[test]
     fn a_threads_cpu_time_is_read_in_nanoseconds() {
         assert_eq!(
@@ -1295,6 +1338,8 @@ mod tests {
         );
         assert_eq!(parse_schedstat(""), None);
         assert_eq!(parse_schedstat("x 1 2"), None);
+        assert_eq!(schedstat_slices("1770329 383689 3\n"), Some(3));
+        assert_eq!(schedstat_slices("1770329 383689"), None);
         #[cfg(target_os = "linux")]
         {
             // The reading grows while the thread computes (bounded by the wall clock, so a

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use fence_bench::callgrind::Callgrind;
 use fence_bench::fenced::{Fenced, default_binary};
 use fence_bench::load::{self, FenceTransport, Measured, Target};
 
@@ -130,6 +131,14 @@ enum Command {
         /// Effects measured at each concurrency (after 1000 unmeasured ones).
         #[arg(long, default_value_t = 20_000)]
         effects: u64,
+        /// Run `fenced` under valgrind's callgrind and count the instructions it executes per
+        /// effect and per empty Session message: its counters are zeroed before each measured
+        /// loop and dumped after it (`callgrind_control`), so the counts hold exactly the
+        /// measured calls, whatever else the machine does. The dumps stay in the work
+        /// directory for `callgrind_annotate`. Under valgrind the server runs tens of times
+        /// slower, so the other tables' times and CPU are not the server's own.
+        #[arg(long)]
+        callgrind: bool,
     },
     /// The ledger in this process, no gRPC: a fixed number of begin+complete pairs.
     Ledger {
@@ -174,11 +183,22 @@ fn work_dir(common: &Common) -> Result<PathBuf> {
 }
 
 async fn start_fenced(common: &Common, data: &Path, log: &Path) -> Result<Fenced> {
+    start_fenced_under(Vec::new(), common, data, log).await
+}
+
+/// [`start_fenced`] under `prefix` (see [`Fenced::start`]).
+async fn start_fenced_under(
+    prefix: Vec<String>,
+    common: &Common,
+    data: &Path,
+    log: &Path,
+) -> Result<Fenced> {
     let binary = match &common.fenced {
         Some(b) => b.clone(),
         None => default_binary()?,
     };
     let fenced = Fenced::start(
+        prefix,
         binary,
         data.to_path_buf(),
         common.fenced_args.clone(),
@@ -529,10 +549,25 @@ async fn scale(common: Common, sizes: Vec<u64>, threads: usize) -> Result<()> {
     Ok(())
 }
 
-async fn cost(common: Common, effects: u64) -> Result<()> {
+async fn cost(common: Common, effects: u64, callgrind: bool) -> Result<()> {
     let dir = work_dir(&common)?;
     println!("machine: {}; data dir {}", machine(), dir.display());
-    let fenced = start_fenced(&common, &dir.join("fence-data"), &dir.join("fenced.log")).await?;
+    let dumps = dir.join("callgrind.fenced");
+    let prefix = if callgrind {
+        Callgrind::prefix(&dumps)
+    } else {
+        Vec::new()
+    };
+    let (data, log) = (dir.join("fence-data"), dir.join("fenced.log"));
+    let fenced = start_fenced_under(prefix, &common, &data, &log).await?;
+    let mut counter = callgrind.then(|| Callgrind::attach(&dumps, fenced.pid()));
+    if counter.is_some() {
+        println!(
+            "fenced runs under callgrind: its times and CPU below are valgrind's, its instruction counts (last table) its own"
+        );
+    }
+    // Instructions per operation of each measured loop, by level: (Fence, health, probe).
+    let mut instructions: Vec<(usize, [Option<f64>; 3])> = Vec::new();
     load::register_tool(fenced.channel().await?).await?;
     let target = Target::fence(
         channels(&fenced, common.connections).await?,
@@ -541,7 +576,7 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     let batch = common.batch.max(1) as u64;
     let mut measured = Vec::new();
     println!(
-        "\n| concurrency | effects | effects/s | p50 ms | p99 ms | fenced CPU s (user + sys) | fenced CPU us per effect | load generator CPU us per effect | host steal % |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "\n| concurrency | effects | effects/s | p50 ms | p99 ms | fenced CPU s (user + sys) | fenced CPU us per effect | fenced thread wake-ups per effect | load generator CPU us per effect | host steal % |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for &c in &common.concurrency {
         let c = c.max(1);
@@ -549,13 +584,18 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
         let warm = load::Budget::Turns(turns(1000));
         load::run_loop(&target, &format!("cost-warm-c{c}"), c, common.batch, warm).await?;
         let before = load::process_cpu(fenced.pid())?;
+        let slices_before = load::process_slices(fenced.pid());
         let own_before = load::process_cpu(std::process::id())?;
         let budget = load::Budget::Turns(turns(effects));
+        zero(&counter).await?;
         let m = load::run_loop(&target, &format!("cost-c{c}"), c, common.batch, budget).await?;
+        let counted = dump(&mut counter, m.ops).await?;
+        instructions.push((c, [counted, None, None]));
         let cpu = load::process_cpu(fenced.pid())? - before;
+        let wakes = per_op(slices_before, load::process_slices(fenced.pid()), m.ops);
         let own = load::process_cpu(std::process::id())? - own_before;
         println!(
-            "| {c} | {} | {:.0} | {:.3} | {:.3} | {:.2} ({:.2} + {:.2}) | {:.0} | {:.0} | {} |",
+            "| {c} | {} | {:.0} | {:.3} | {:.3} | {:.2} ({:.2} + {:.2}) | {:.0} | {wakes} | {:.0} | {} |",
             m.ops,
             m.throughput(),
             m.p50(),
@@ -575,30 +615,60 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
     let chans = target.channels().expect("cost measures Fence").to_vec();
     let ceilings = [Target::Health(chans.clone()), Target::SessionProbe(chans)];
     println!(
-        "\n| concurrency | health checks/s (tonic ceiling) | fenced CPU us per check | empty Session messages/s | fenced CPU us per message | Fence calls/s (2 per effect) | Fence / health ceiling | Fence / Session ceiling |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "\n| concurrency | health checks/s (tonic ceiling) | fenced CPU us per check | fenced wake-ups per check | empty Session messages/s | fenced CPU us per message | fenced wake-ups per message | Fence calls/s (2 per effect) | Fence / health ceiling | Fence / Session ceiling |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let mut floors = Vec::new();
-    for &(c, fence_rate, fence_cpu) in &measured {
+    for (level, &(c, fence_rate, fence_cpu)) in measured.iter().enumerate() {
         let mut rates = Vec::new();
         for (i, ceiling) in ceilings.iter().enumerate() {
             let before = load::process_cpu(fenced.pid())?;
+            let slices_before = load::process_slices(fenced.pid());
             let budget = load::Budget::Turns((effects / c as u64).max(1));
+            zero(&counter).await?;
             let m = load::run_loop(ceiling, &format!("ceiling{i}-c{c}"), c, 1, budget).await?;
+            instructions[level].1[i + 1] = dump(&mut counter, m.ops).await?;
             let cpu = load::process_cpu(fenced.pid())? - before;
-            rates.push((m.throughput(), us_each(cpu.total(), m.ops)));
+            let wakes = per_op(slices_before, load::process_slices(fenced.pid()), m.ops);
+            rates.push((m.throughput(), us_each(cpu.total(), m.ops), wakes));
         }
-        let [(health, per_check), (probes, per_message)] = rates[..] else {
+        let [
+            (health, per_check, ref check_wakes),
+            (probes, per_message, ref message_wakes),
+        ] = rates[..]
+        else {
             unreachable!("two ceilings measured")
         };
         let calls = fence_rate * 2.0 / batch as f64;
         println!(
-            "| {c} | {health:.0} | {per_check:.0} | {probes:.0} | {per_message:.0} | {calls:.0} | {:.2} | {:.2} |",
+            "| {c} | {health:.0} | {per_check:.0} | {check_wakes} | {probes:.0} | {per_message:.0} | {message_wakes} | {calls:.0} | {:.2} | {:.2} |",
             calls / health.max(1e-9),
             calls / probes.max(1e-9)
         );
         floors.push((c, per_check.min(per_message), fence_cpu));
     }
     fenced.stop().await;
+    if let Some(counter) = &counter {
+        println!(
+            "\n| concurrency | fenced instructions per effect | per health check | per empty Session message | Fence / two Session messages |\n|---:|---:|---:|---:|---:|"
+        );
+        let cell = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |x| format!("{x:.0}"));
+        for (c, [fence, health, probe]) in &instructions {
+            let ratio = match (fence, probe) {
+                (Some(f), Some(p)) => format!("{:.2}", f / (2.0 * p).max(1.0)),
+                _ => "-".into(),
+            };
+            println!(
+                "| {c} | {} | {} | {} | {ratio} |",
+                cell(*fence),
+                cell(*health),
+                cell(*probe)
+            );
+        }
+        println!(
+            "\ncallgrind dumps (for callgrind_annotate): {}",
+            counter.dumps()
+        );
+    }
 
     // The CPU floor: what two calls and two bare syncs cost on this machine, however little
     // the engine does: calls as the cheaper of the two empty gRPC calls above, and as bare
@@ -642,6 +712,32 @@ async fn cost(common: Common, effects: u64) -> Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
+}
+
+/// Zeroes the counters of a server under callgrind (see `cost --callgrind`).
+async fn zero(counter: &Option<Callgrind>) -> Result<()> {
+    match counter {
+        Some(c) => c.zero().await,
+        None => Ok(()),
+    }
+}
+
+/// The instructions per operation a server under callgrind executed over `ops` operations
+/// since its counters were zeroed.
+async fn dump(counter: &mut Option<Callgrind>, ops: u64) -> Result<Option<f64>> {
+    match counter {
+        Some(c) => Ok(Some(c.dump().await?.0 as f64 / ops.max(1) as f64)),
+        None => Ok(None),
+    }
+}
+
+/// The growth of a count between two readings per one of `ops` operations, for a table cell
+/// ("-" where either reading is missing).
+fn per_op(before: Option<u64>, after: Option<u64>, ops: u64) -> String {
+    match (before, after) {
+        (Some(b), Some(a)) => format!("{:.1}", a.saturating_sub(b) as f64 / ops.max(1) as f64),
+        _ => "-".into(),
+    }
 }
 
 /// CPU time `total` per one of `ops` operations, in microseconds.
@@ -696,7 +792,11 @@ async fn main() -> Result<()> {
             sizes,
             preload_threads,
         } => scale(common, sizes, preload_threads).await,
-        Command::Cost { common, effects } => cost(common, effects).await,
+        Command::Cost {
+            common,
+            effects,
+            callgrind,
+        } => cost(common, effects, callgrind).await,
         Command::Ledger {
             effects,
             warmup,

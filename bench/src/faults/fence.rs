@@ -142,6 +142,7 @@ impl<'a> FenceArm<'a> {
             None => default_binary()?,
         };
         let server = Fenced::start(
+            Vec::new(),
             binary,
             dir.join("data"),
             vec!["--lease-ms".into(), cfg.fence.lease_ms.to_string()],
