@@ -63,6 +63,10 @@ cost)
   echo "## each worker's calls on a Session stream"
   "$bin/fence-load" cost --concurrency 1,64 --session "$@"
   echo
+  echo "## the whole server's instructions per effect and per empty Session message (callgrind)"
+  "$bin/fence-load" cost --concurrency 1 --effects 2000 --session --callgrind |
+    sed -n '/instructions per effect/,/callgrind dumps/p'
+  echo
   echo "| ledger in process, no gRPC | instructions per effect (callgrind) |"
   echo "|---|---:|"
   echo "| RocksDB, every write synced | $(instructions_per_effect 1000) |"

@@ -708,7 +708,8 @@ async fn cost(common: Common, effects: u64, callgrind: bool) -> Result<()> {
             );
         }
     }
-    if common.dir.is_none() {
+    // A directory of its own goes, but for the dumps of a callgrind run, named above.
+    if common.dir.is_none() && !callgrind {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
