@@ -137,6 +137,7 @@ pub fn store_options(config: &Config) -> StoreOptions {
     StoreOptions {
         block_cache_bytes: config.block_cache_mb << 20,
         memtable_bytes: config.memtable_mb << 20,
+        memtable_huge_page_bytes: config.memtable_huge_page_mb << 20,
         sync_writes: true,
         wal_prime_bytes: config.wal_prime_mb << 20,
         compression: config.compression,
