@@ -52,9 +52,9 @@ impl Callgrind {
         control("-z", self.pid).await
     }
 
-    /// Dumps the counters and returns the instructions executed since the last
-    /// [`Callgrind::zero`], with the dump's path (for `callgrind_annotate`).
-    pub async fn dump(&mut self) -> Result<(u64, PathBuf)> {
+    /// Dumps the counters (to the next of [`Callgrind::dumps`], for `callgrind_annotate`)
+    /// and returns the instructions executed since the last [`Callgrind::zero`].
+    pub async fn dump(&mut self) -> Result<u64> {
         control("-d", self.pid).await?;
         self.dumps += 1;
         let path = PathBuf::from(format!(
@@ -65,24 +65,29 @@ impl Callgrind {
         ));
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("read the callgrind dump {}", path.display()))?;
-        let total = summary(&text)
-            .with_context(|| format!("no instruction summary in {}", path.display()))?;
-        Ok((total, path))
+        summary(&text).with_context(|| format!("no instruction summary in {}", path.display()))
     }
 }
 
-/// Runs `callgrind_control <op> <pid>`, which returns once the process carried it out.
+/// Runs `callgrind_control <op> <pid>`, which returns once the process carried it out. What
+/// it prints is kept out of the tables, and shown only when it fails.
 async fn control(op: &'static str, pid: u32) -> Result<()> {
-    let status = tokio::task::spawn_blocking(move || {
+    let out = tokio::task::spawn_blocking(move || {
         Command::new("callgrind_control")
             .arg(op)
             .arg(pid.to_string())
-            .stdout(Stdio::null())
-            .status()
+            .stdin(Stdio::null())
+            .output()
     })
     .await?
     .context("run callgrind_control (valgrind's)")?;
-    ensure!(status.success(), "callgrind_control {op} {pid}: {status}");
+    ensure!(
+        out.status.success(),
+        "callgrind_control {op} {pid}: {}: {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(())
 }
 

@@ -583,16 +583,20 @@ async fn cost(common: Common, effects: u64, callgrind: bool) -> Result<()> {
         let turns = |n: u64| (n / (c as u64 * batch)).max(1);
         let warm = load::Budget::Turns(turns(1000));
         load::run_loop(&target, &format!("cost-warm-c{c}"), c, common.batch, warm).await?;
-        let before = load::process_cpu(fenced.pid())?;
-        let slices_before = load::process_slices(fenced.pid());
         let own_before = load::process_cpu(std::process::id())?;
         let budget = load::Budget::Turns(turns(effects));
-        zero(&counter).await?;
-        let m = load::run_loop(&target, &format!("cost-c{c}"), c, common.batch, budget).await?;
-        let counted = dump(&mut counter, m.ops).await?;
-        instructions.push((c, [counted, None, None]));
-        let cpu = load::process_cpu(fenced.pid())? - before;
-        let wakes = per_op(slices_before, load::process_slices(fenced.pid()), m.ops);
+        let label = format!("cost-c{c}");
+        let (m, spent) = measured_loop(
+            &target,
+            &label,
+            (c, common.batch),
+            budget,
+            fenced.pid(),
+            &mut counter,
+        )
+        .await?;
+        instructions.push((c, [spent.instructions, None, None]));
+        let (cpu, wakes) = (spent.cpu, spent.wakes);
         let own = load::process_cpu(std::process::id())? - own_before;
         println!(
             "| {c} | {} | {:.0} | {:.3} | {:.3} | {:.2} ({:.2} + {:.2}) | {:.0} | {wakes} | {:.0} | {} |",
@@ -621,15 +625,16 @@ async fn cost(common: Common, effects: u64, callgrind: bool) -> Result<()> {
     for (level, &(c, fence_rate, fence_cpu)) in measured.iter().enumerate() {
         let mut rates = Vec::new();
         for (i, ceiling) in ceilings.iter().enumerate() {
-            let before = load::process_cpu(fenced.pid())?;
-            let slices_before = load::process_slices(fenced.pid());
             let budget = load::Budget::Turns((effects / c as u64).max(1));
-            zero(&counter).await?;
-            let m = load::run_loop(ceiling, &format!("ceiling{i}-c{c}"), c, 1, budget).await?;
-            instructions[level].1[i + 1] = dump(&mut counter, m.ops).await?;
-            let cpu = load::process_cpu(fenced.pid())? - before;
-            let wakes = per_op(slices_before, load::process_slices(fenced.pid()), m.ops);
-            rates.push((m.throughput(), us_each(cpu.total(), m.ops), wakes));
+            let label = format!("ceiling{i}-c{c}");
+            let (m, spent) =
+                measured_loop(ceiling, &label, (c, 1), budget, fenced.pid(), &mut counter).await?;
+            instructions[level].1[i + 1] = spent.instructions;
+            rates.push((
+                m.throughput(),
+                us_each(spent.cpu.total(), m.ops),
+                spent.wakes,
+            ));
         }
         let [
             (health, per_check, ref check_wakes),
@@ -715,21 +720,41 @@ async fn cost(common: Common, effects: u64, callgrind: bool) -> Result<()> {
     Ok(())
 }
 
-/// Zeroes the counters of a server under callgrind (see `cost --callgrind`).
-async fn zero(counter: &Option<Callgrind>) -> Result<()> {
-    match counter {
-        Some(c) => c.zero().await,
-        None => Ok(()),
-    }
+/// What server process `pid` spent on one measured loop.
+struct Spent {
+    cpu: load::CpuTime,
+    /// Its threads' wake-ups per operation, as a table cell.
+    wakes: String,
+    /// Instructions per operation, when it runs under callgrind.
+    instructions: Option<f64>,
 }
 
-/// The instructions per operation a server under callgrind executed over `ops` operations
-/// since its counters were zeroed.
-async fn dump(counter: &mut Option<Callgrind>, ops: u64) -> Result<Option<f64>> {
-    match counter {
-        Some(c) => Ok(Some(c.dump().await?.0 as f64 / ops.max(1) as f64)),
-        None => Ok(None),
+/// [`load::run_loop`] of `target` at `(concurrency, batch)`, with what it cost server `pid`:
+/// its CPU and wake-ups read before and after, and under callgrind (`counter`) its counters
+/// zeroed before and dumped after, so they hold exactly this loop's calls.
+async fn measured_loop(
+    target: &Target,
+    label: &str,
+    (concurrency, batch): (usize, usize),
+    budget: load::Budget,
+    pid: u32,
+    counter: &mut Option<Callgrind>,
+) -> Result<(Measured, Spent)> {
+    let (cpu, slices) = (load::process_cpu(pid)?, load::process_slices(pid));
+    if let Some(counter) = counter {
+        counter.zero().await?;
     }
+    let m = load::run_loop(target, label, concurrency, batch, budget).await?;
+    let instructions = match counter {
+        Some(counter) => Some(counter.dump().await? as f64 / m.ops.max(1) as f64),
+        None => None,
+    };
+    let spent = Spent {
+        cpu: load::process_cpu(pid)? - cpu,
+        wakes: per_op(slices, load::process_slices(pid), m.ops),
+        instructions,
+    };
+    Ok((m, spent))
 }
 
 /// The growth of a count between two readings per one of `ops` operations, for a table cell
