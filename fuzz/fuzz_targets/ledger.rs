@@ -14,7 +14,7 @@ use fence_server::ledger::{
     BeginCmd, CredentialUse, Decision, EffectId, Finding, Ledger, LedgerConfig, OpClass, Outcome,
     ToolDef,
 };
-use fence_server::store::MemStore;
+use fence_server::store::{MemStore, Store};
 use libfuzzer_sys::fuzz_target;
 
 const T: &str = "t";
@@ -50,7 +50,10 @@ fuzz_target!(|ops: Vec<Op>| {
         default_retention_ms: 5000,
         ..LedgerConfig::default()
     };
-    let ledger = Ledger::new(MemStore::new(), Arc::new(clock.clone()), config);
+    let store = MemStore::with_rewrite(fence_server::ledger::expiry::retention_rewrite(Arc::new(
+        clock.clone(),
+    )));
+    let ledger = Ledger::new(store, Arc::new(clock.clone()), config);
     for (name, class) in TOOLS.iter().zip([OpClass::NonRetryable, OpClass::Deduplicate, OpClass::RequiresEffectCheck]) {
         let def = ToolDef { name: (*name).into(), class: class.code(), volatile_fields: vec!["nonce".into()], ..Default::default() };
         ledger.register_tool(T, def).unwrap();
@@ -162,6 +165,7 @@ fuzz_target!(|ops: Vec<Op>| {
             }
             Op::Sweep => {
                 ledger.sweep_expired(100).unwrap();
+                ledger.store().compact().unwrap();
             }
         }
     }

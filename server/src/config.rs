@@ -44,7 +44,16 @@ pub struct Config {
     #[arg(long, env = "FENCE_RETENTION_MS", default_value_t = 604_800_000)]
     pub retention_ms: u64,
 
-    /// How often the retention sweep runs, in milliseconds.
+    /// At most how many hours after its retention window a finished effect's payload stays on
+    /// disk: the store compacts every table file again at least this often, and compaction
+    /// makes each record past its window a tombstone (RocksDB's periodic compaction). Reads
+    /// show the tombstone at once either way. Shorter rewrites the store more often; 0 leaves
+    /// it to RocksDB (30 days).
+    #[arg(long, env = "FENCE_RETENTION_COMPACTION_HOURS", default_value_t = 24)]
+    pub retention_compaction_hours: u64,
+
+    /// How often the background pass runs, in milliseconds: it recounts the open-effect
+    /// gauges and drains the expiry index that data dirs written before format 7 hold.
     #[arg(long, env = "FENCE_SWEEP_INTERVAL_MS", default_value_t = 60_000)]
     pub sweep_interval_ms: u64,
 

@@ -15,9 +15,9 @@
 //! | `fence_store_writes_total` | counter | `durability` (synced, deferred: synced with its group, unsynced: audit counters) |
 //! | `fence_wal_syncs_total` | counter | WAL syncs asked of RocksDB (writes per sync = writes / syncs) |
 //! | `fence_wal_sync_seconds` | histogram | each synced write's time in RocksDB: WAL write, `fdatasync`, memtable insert (every acknowledged decision waits for one) |
-//! | `fence_store_bytes` | gauge | the store's table files and memtables (updated every retention sweep) |
+//! | `fence_store_bytes` | gauge | the store's table files and memtables (updated every background pass, `--sweep-interval-ms`) |
 //! | `fence_store_recovery_losses` | gauge | what RocksDB's recovery dropped from its WAL at the last open (logged at WARN, one line each) |
-//! | `fence_open_effects` | gauge | `state` (accepted, running: lease live; effect_unknown: needs a reconcile), updated every retention sweep |
+//! | `fence_open_effects` | gauge | `state` (accepted, running: lease live; effect_unknown: needs a reconcile), updated every background pass |
 
 use std::time::Instant;
 

@@ -1,5 +1,6 @@
-//! Wiring: open the ledger, serve `fence.v1` plus the standard health and reflection services,
-//! sweep expired records in the background, and shut down gracefully (stop accepting, drain
+//! Wiring: open the ledger (its store compacting with retention applied), serve `fence.v1` plus
+//! the standard health and reflection services, recount open effects and sweep the expiry
+//! index of older formats in the background, and shut down gracefully (stop accepting, drain
 //! in-flight calls, close RocksDB).
 
 use std::future::Future;
@@ -142,6 +143,8 @@ pub fn store_options(config: &Config) -> StoreOptions {
         wal_prime_bytes: config.wal_prime_mb << 20,
         compression: config.compression,
         wal_dir: config.wal_dir.clone(),
+        rewrite: None,
+        rewrite_within_secs: config.retention_compaction_hours.saturating_mul(3600),
     }
 }
 
@@ -161,7 +164,12 @@ pub fn open_ledger_with(
         .clone()
         .unwrap_or_else(|| config.data_dir.join(CREDENTIAL_KEY_FILE));
     let credential_key = load_or_create_key(&key_path)?;
-    let store = RocksStore::open(config.data_dir.join(LEDGER_DIR), store)?;
+    // Compaction drops the payload of finished effects past their retention window.
+    let store = StoreOptions {
+        rewrite: Some(crate::ledger::expiry::retention_rewrite(clock.clone())),
+        ..store.clone()
+    };
+    let store = RocksStore::open(config.data_dir.join(LEDGER_DIR), &store)?;
     sync_created_dirs(&config.data_dir, &existing).map_err(cannot_create)?;
     let ledger_config = LedgerConfig {
         default_lease_ms: config.lease_ms,
@@ -252,7 +260,8 @@ pub fn tls_from(config: &Config) -> Result<Option<ServerTlsConfig>, ServeError> 
 pub struct ServeOptions {
     /// Authentication.
     pub auth: Auth,
-    /// How often the retention sweep runs.
+    /// How often the background pass runs (open-effect gauges, the older formats' expiry
+    /// index).
     pub sweep_interval: Duration,
     /// TLS (None = plaintext).
     pub tls: Option<ServerTlsConfig>,

@@ -228,10 +228,10 @@ fn a_reopened_data_dir_numbers_after_the_last_effect_though_its_run_record_lags(
 
 /// Format 6: the write-ahead log may live outside the data dir. A format-5 data dir is
 /// migrated without a rewrite (its effects replay as before), and once its log is in a
-/// directory of its own the data dir says format 6, which every earlier `fenced` refuses
-/// instead of opening it without its log.
+/// directory of its own the data dir says format 6 or later, which every earlier `fenced`
+/// refuses instead of opening it without its log.
 #[test]
-fn a_format_5_data_dir_becomes_format_6_and_keeps_its_effects_with_its_log_elsewhere() {
+fn a_format_5_data_dir_is_migrated_and_keeps_its_effects_with_its_log_elsewhere() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let wal = dir.path().join("wal");
@@ -247,8 +247,7 @@ fn a_format_5_data_dir_becomes_format_6_and_keeps_its_effects_with_its_log_elsew
         ..fence_server::Config::with_data_dir(&data)
     };
     let ledger = open_ledger(&config, Arc::new(SystemClock)).unwrap();
-    assert_eq!(format_of(&ledger), Some(6));
-    assert_eq!(FORMAT_VERSION, 6);
+    assert_eq!(format_of(&ledger), Some(FORMAT_VERSION));
     let again = ledger.begin("t", &call("s1")).unwrap().decision;
     assert!(
         matches!(again, Decision::InProgress { .. }),
@@ -259,4 +258,94 @@ fn a_format_5_data_dir_becomes_format_6_and_keeps_its_effects_with_its_log_elsew
         Ok(_) => panic!("opened without its write-ahead log"),
         Err(e) => assert!(e.to_string().contains("--wal-dir"), "{e}"),
     }
+}
+
+/// Format 7: a finished effect is no longer indexed by expiry; the store's compaction makes it
+/// a tombstone. A format-6 data dir keeps its expiry entries, and the sweep still turns the
+/// effects they name into tombstones as they fall due and takes the entries out.
+#[test]
+fn a_format_6_data_dirs_expiry_entries_are_still_swept_and_new_effects_need_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let rk = keys::run_key("t", "r");
+    let finish = |ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>,
+                  step: &str| {
+        let cmd = BeginCmd {
+            arguments_json: format!(r#"{{"amount":1,"to":"{step}"}}"#),
+            ..call(step)
+        };
+        let decision = ledger.begin("t", &cmd).unwrap().decision;
+        let Decision::Execute { receipt, .. } = decision else {
+            panic!("expected a grant: {decision:?}")
+        };
+        ledger
+            .complete(
+                "t",
+                &receipt.id().to_string(),
+                receipt.attempt,
+                0,
+                fence_server::ledger::Outcome::Completed(b"paid".to_vec()),
+            )
+            .unwrap()
+    };
+    let stored = |ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>,
+                  seq: u64| {
+        let key = keys::effect(&rk, seq);
+        codec::decode::<fence_server::ledger::records::EffectRecord>(
+            &key,
+            &ledger.store().get(&key).unwrap().unwrap(),
+        )
+        .unwrap()
+    };
+    let expiry_entries =
+        |ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>| {
+            let prefix = keys::expiry_prefix();
+            ledger
+                .store()
+                .scan(&prefix, &prefix, usize::MAX)
+                .unwrap()
+                .len()
+        };
+    let old = {
+        let ledger = open(dir.path()).unwrap();
+        ledger
+            .register_tool(
+                "t",
+                fence_server::ledger::ToolDef {
+                    name: "pay".into(),
+                    class: 4,
+                    retention_ms: 1,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let old = finish(&ledger, "s1");
+        assert_eq!(
+            expiry_entries(&ledger),
+            0,
+            "format 7 writes no expiry entry"
+        );
+        // As format 6 left it: the finished effect in the expiry index.
+        let mut batch = Batch::new();
+        mark_format(&mut batch, 6, "0.1.0");
+        batch.put(keys::expiry(old.expires_at_ms, &rk, old.seq), Vec::new());
+        ledger.store().write(batch).unwrap();
+        old
+    };
+    let ledger = open(dir.path()).unwrap();
+    assert_eq!(format_of(&ledger), Some(FORMAT_VERSION));
+    let new = finish(&ledger, "s2");
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    assert_eq!(ledger.sweep_expired(100).unwrap(), 1);
+    assert_eq!(expiry_entries(&ledger), 0);
+    assert!(stored(&ledger, old.seq).tombstone, "swept");
+    assert!(
+        !stored(&ledger, new.seq).tombstone,
+        "the sweep never saw the new effect"
+    );
+    // fenced's store compacts with retention applied: the new effect's payload goes too.
+    ledger.store().compact().unwrap();
+    let new = stored(&ledger, new.seq);
+    assert!(new.tombstone && new.result.is_empty(), "{new:?}");
+    let report = ledger.verify();
+    assert!(report.is_sound(), "{:?}", report.problems);
 }

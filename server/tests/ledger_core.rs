@@ -7,7 +7,7 @@ use common::*;
 use fence_server::ledger::CredentialUse;
 use fence_server::ledger::credentials::CredentialDef;
 use fence_server::ledger::outcome::{ListQuery, OutcomeKey};
-use fence_server::ledger::records::RunRecord;
+use fence_server::ledger::records::{EffectRecord, RunRecord};
 use fence_server::ledger::{
     BeginCmd, Decision, Finding, LedgerError, OpClass, Outcome, Reason, Recovery, State, ToolDef,
 };
@@ -718,20 +718,47 @@ fn retention_leaves_a_tombstone_answered_expired_never_executed_again() {
         )
         .unwrap();
     let rec = executed(h.begin(&keyed("r1", "s", TRANSFER, ARGS)));
-    complete(&h, &rec, "tx-1");
+    let done = complete(&h, &rec, "tx-1");
+    let key = keys::effect(&keys::run_key(T, "r1"), rec.seq);
+    let stored = |h: &Harness| -> EffectRecord {
+        codec::decode(&key, &h.ledger.store().get(&key).unwrap().unwrap()).unwrap()
+    };
+    h.clock.advance(59_999);
+    h.ledger.store().compact().unwrap();
     assert_eq!(
-        h.ledger.sweep_expired(100).unwrap(),
-        0,
-        "nothing is due yet"
+        stored(&h),
+        done,
+        "within its window compaction keeps the record"
     );
-    h.clock.advance(60_000);
-    // Before the sweep, reads already see the tombstone.
+    h.clock.advance(1);
+    // Before any compaction, reads already see the tombstone.
     let r = refused(
         h.begin(&keyed("r1", "s", TRANSFER, DRIFTED)),
         Reason::Expired,
     );
     assert!(r.receipt.as_ref().unwrap().tombstone);
-    assert_eq!(h.ledger.sweep_expired(100).unwrap(), 1);
+    // On disk the record keeps its payload until the store compacts it: then it is the
+    // tombstone reads showed, and nothing else in the store changed.
+    assert!(!stored(&h).tombstone && !stored(&h).result.is_empty());
+    let others = |h: &Harness| {
+        let mut all = h.snapshot();
+        all.retain(|(k, _)| *k != key);
+        all
+    };
+    let before = others(&h);
+    h.ledger.store().compact().unwrap();
+    let on_disk = stored(&h);
+    assert!(on_disk.tombstone);
+    assert!(on_disk.result.is_empty() && on_disk.arguments_json.is_empty());
+    assert_eq!(on_disk.intent_fp, rec.intent_fp);
+    assert_eq!(
+        others(&h),
+        before,
+        "compaction rewrote only the expired record"
+    );
+    h.ledger.store().compact().unwrap();
+    assert_eq!(stored(&h), on_disk, "a tombstone is kept as it is");
+    h.assert_sound();
     let q = h
         .ledger
         .query_outcome(T, &OutcomeKey::EffectId(rec.id().to_string()))

@@ -1,7 +1,8 @@
 //! Property tests of the state machine over random interleavings, against a real RocksDB
 //! ledger with a manual clock.
 //!
-//! 1. begin / complete / heartbeat / expire / reconcile / sweep on random keys: never two live
+//! 1. begin / complete / heartbeat / expire / reconcile / compact on random keys, the clock now
+//!    and then past the retention window: never two live
 //!    grants of one effect, never a lost or changed completed result, never a second new
 //!    execution of an unkeyed non-retryable intent without `deliberate_repeat`.
 //! 2. begin / complete / checkpoint / restore / fork with credentials: on every branch lineage no
@@ -19,6 +20,7 @@ use fence_server::ledger::runs::{CheckpointCmd, ForkCmd};
 use fence_server::ledger::{
     BeginCmd, CredentialUse, Decision, EffectId, Finding, LedgerError, OpClass, Outcome,
 };
+use fence_server::store::Store;
 use proptest::prelude::*;
 
 const TOOLS: [(&str, OpClass); 3] = [
@@ -52,7 +54,8 @@ enum Op {
     Advance {
         ms: u64,
     },
-    Sweep,
+    /// The store compacts everything: finished effects past their window become tombstones.
+    Compact,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -63,7 +66,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(|grant| Op::Heartbeat { grant }),
         1 => (0..8usize, any::<bool>(), 0..2u8).prop_map(|(grant, happened, result)| Op::Reconcile { grant, happened, result }),
         2 => (0..2 * LEASE).prop_map(|ms| Op::Advance { ms }),
-        1 => Just(Op::Sweep),
+        1 => Just(Op::Advance { ms: RETENTION }),
+        1 => Just(Op::Compact),
     ]
 }
 
@@ -171,7 +175,7 @@ proptest! {
                     }
                 }
                 Op::Advance { ms } => h.clock.advance(ms),
-                Op::Sweep => { h.ledger.sweep_expired(1000).unwrap(); }
+                Op::Compact => h.ledger.store().compact().unwrap(),
             }
         }
         // Nothing acknowledged is lost: every completed result reads back (or is a tombstone).

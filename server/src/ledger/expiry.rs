@@ -1,20 +1,43 @@
 //! Retention: finished effects past their window become tombstones.
 //!
-//! Reads already treat an expired record as its tombstone (`EffectRecord::view`); the sweep
-//! makes it so on disk, dropping the payload and keeping identity, fingerprints and the final
-//! state, so a later matching call is answered EXPIRED, never executed as new. The expiry index
-//! orders records by expiry time, so a sweep reads only what is due.
+//! Reads treat an expired record as its tombstone (`EffectRecord::view`), so a later matching
+//! call is answered EXPIRED, never executed as new. The store makes it so on disk as it
+//! compacts ([`retention_rewrite`]), dropping the payload and keeping identity, fingerprints
+//! and the final state: nothing is written for it when an effect finishes, and nothing read or
+//! written again when its window ends. Data dirs written before format 7 also hold an expiry
+//! index (by time), which [`Ledger::sweep_expired`] drains.
 //!
 //! The same background pass counts the effects not settled yet ([`Ledger::open_census`]) from
 //! the open-effect index, for the gauges an operator alerts on.
 
+use std::sync::Arc;
+
 use super::records::EffectRecord;
 use super::{Ledger, Result, State};
-use crate::store::{Batch, Store, codec, keys};
+use crate::clock::Clock;
+use crate::store::{Batch, Rewrite, Store, codec, keys};
+
+/// What the store's compaction does to the ledger's records: a finished effect past its
+/// retention window (by `clock`) becomes its tombstone. Every other record is kept, and so is
+/// a record that does not decode (`verify` reports it; compaction must not hide it).
+pub fn retention_rewrite(clock: Arc<dyn Clock>) -> Rewrite {
+    Rewrite::new(move |key, value| {
+        if key.first() != Some(&(keys::Kind::Effect as u8)) {
+            return None;
+        }
+        let mut rec: EffectRecord = codec::decode(key, value).ok()?;
+        if rec.tombstone || rec.expires_at_ms == 0 || rec.expires_at_ms > clock.now_ms() {
+            return None;
+        }
+        rec.make_tombstone();
+        Some(codec::encode(&rec))
+    })
+}
 
 impl<S: Store> Ledger<S> {
-    /// Turns up to `limit` expired records into tombstones; returns how many index entries
-    /// were processed (0 = nothing was due).
+    /// Turns up to `limit` records named by the expiry index (written before format 7) into
+    /// tombstones as they fall due, taking their entries out; returns how many entries were
+    /// processed (0 = nothing was due).
     pub fn sweep_expired(&self, limit: usize) -> Result<usize> {
         let now = self.now();
         let prefix = keys::expiry_prefix();

@@ -23,13 +23,18 @@
 //!    nothing; the version exists so that an earlier `fenced`, which knows nothing of the
 //!    marker, refuses the data dir instead of opening it without its log and losing every
 //!    acknowledged write not yet in a table file.
+//! 7. A finished effect is no longer put in the expiry index: the store's compaction makes it
+//!    a tombstone once its window has passed ([`super::expiry::retention_rewrite`]). Entries
+//!    written before stay and are drained by [`Ledger::sweep_expired`] as they fall due, so
+//!    the migration rewrites nothing; an earlier `fenced` must not open a format-7 data dir,
+//!    since it would keep the payloads of effects finished under format 7 on disk forever.
 
 use super::records::{EffectRecord, RunRecord};
 use super::{Ledger, LedgerError, Result};
 use crate::store::{Batch, Store, codec, keys};
 
 /// The format this code writes and reads.
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 
 /// The store's format record (key [`keys::meta`]).
 #[derive(Clone, PartialEq, prost::Message)]

@@ -703,7 +703,7 @@ impl EffectRecord {
     }
 
     /// The record as it stands at `now`: a lapsed lease reads EFFECT_UNKNOWN, and a record
-    /// past its retention reads as its tombstone (even before the sweep rewrites it).
+    /// past its retention reads as its tombstone (even before compaction rewrites it).
     pub fn view(&self, now: u64) -> EffectRecord {
         self.clone().into_view(now)
     }

@@ -106,11 +106,11 @@ impl<S: Store> Ledger<S> {
     }
 
     /// Marks a record finished at `now`: its retention clock starts.
-    fn finish(&self, batch: &mut Batch, rk: &RunKey, rec: &mut EffectRecord, now: u64) {
+    fn finish(rec: &mut EffectRecord, now: u64) {
         rec.lease_expires_at_ms = 0;
         rec.updated_at_ms = now;
+        // No index entry: compaction finds it past its window (`expiry::retention_rewrite`).
         rec.expires_at_ms = now.saturating_add(rec.retention_ms.max(1));
-        batch.put(keys::expiry(rec.expires_at_ms, rk, rec.seq), Vec::new());
     }
 
     /// Extends a live lease (a long-running tool's heartbeat).
@@ -243,7 +243,7 @@ impl<S: Store> Ledger<S> {
                 _ => {
                     rec.state = State::Completed.code();
                     rec.result = result;
-                    self.finish(&mut batch, &id.run_key, &mut rec, now);
+                    Self::finish(&mut rec, now);
                     if rec.compensates_seq != 0 {
                         self.mark_compensated(&mut batch, &id.run_key, &rec, now)?;
                     }
@@ -254,7 +254,7 @@ impl<S: Store> Ledger<S> {
                 State::Accepted | State::Running if rec.lease_live(now) => {
                     rec.state = State::FailedBeforeInput.code();
                     rec.detail = detail;
-                    self.finish(&mut batch, &id.run_key, &mut rec, now);
+                    Self::finish(&mut rec, now);
                 }
                 State::Accepted | State::Running | State::EffectUnknown => {
                     return Err(refuse(
@@ -400,7 +400,7 @@ impl<S: Store> Ledger<S> {
             }
         }
         rec.evidence = evidence.to_owned();
-        self.finish(&mut batch, &id.run_key, &mut rec, now);
+        Self::finish(&mut rec, now);
         if rec.state() == State::Completed && rec.compensates_seq != 0 {
             self.mark_compensated(&mut batch, &id.run_key, &rec, now)?;
         }

@@ -39,7 +39,8 @@ pub enum Kind {
     Tool = 0x09,
     /// A credential, by tenant and keyed hash.
     Credential = 0x0A,
-    /// Expiry index: (expires_at, run, sequence) -> nothing.
+    /// Expiry index: (expires_at, run, sequence) -> nothing. Written before format 7 only;
+    /// the sweep drains what is left of it.
     Expiry = 0x0B,
     /// A tenant's runs, by run id: (tenant, run_id bytes) -> nothing (format 3).
     TenantRun = 0x0C,

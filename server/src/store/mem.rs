@@ -5,18 +5,28 @@ use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::sync::Mutex;
 
-use super::{Batch, Entries, Op, Store, StoreError};
+use super::{Batch, Entries, Op, Rewrite, Store, StoreError};
 
 /// A [`Store`] in memory.
 #[derive(Debug, Default)]
 pub struct MemStore {
     map: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
+    /// Applied to every value by [`Store::compact`], the only compaction this store has.
+    rewrite: Option<Rewrite>,
 }
 
 impl MemStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store whose [`Store::compact`] applies `rewrite`.
+    pub fn with_rewrite(rewrite: Rewrite) -> Self {
+        Self {
+            rewrite: Some(rewrite),
+            ..Self::default()
+        }
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<Vec<u8>, Vec<u8>>> {
@@ -51,6 +61,17 @@ impl Store for MemStore {
                 }
                 Op::Delete(k) => {
                     map.remove(k);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn compact(&self) -> Result<(), StoreError> {
+        if let Some(rewrite) = &self.rewrite {
+            for (k, v) in self.map().iter_mut() {
+                if let Some(new) = rewrite.apply(k, v) {
+                    *v = new;
                 }
             }
         }

@@ -20,6 +20,37 @@ pub use mem::MemStore;
 #[cfg(feature = "rocksdb")]
 pub use rocks::{RocksStore, StoreOptions};
 
+/// A rewrite a store applies to stored values as it compacts them, in the background: given a
+/// record's key and value, its new value, or `None` to keep it as it is.
+///
+/// It may only make on disk what every read already shows (the ledger's retention: a record
+/// past its window is read as its tombstone, and compaction drops its payload), so that when,
+/// or whether, a value is rewritten changes no answer. It must depend only on the key, the
+/// value and the clock, and rewriting a rewritten value must keep it.
+#[derive(Clone)]
+pub struct Rewrite(std::sync::Arc<RewriteFn>);
+
+/// The function a [`Rewrite`] applies.
+type RewriteFn = dyn Fn(&[u8], &[u8]) -> Option<Vec<u8>> + Send + Sync;
+
+impl Rewrite {
+    /// The rewrite `f` does.
+    pub fn new(f: impl Fn(&[u8], &[u8]) -> Option<Vec<u8>> + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+
+    /// The new value of `key`, or `None` to keep `value`.
+    pub fn apply(&self, key: &[u8], value: &[u8]) -> Option<Vec<u8>> {
+        (self.0)(key, value)
+    }
+}
+
+impl std::fmt::Debug for Rewrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Rewrite")
+    }
+}
+
 /// Syncs directory `dir` itself, so that the entries created or renamed in it survive a
 /// machine crash (a file's own sync does not cover its name).
 pub fn sync_dir(dir: &std::path::Path) -> std::io::Result<()> {
@@ -196,6 +227,13 @@ pub trait Store: Send + Sync + 'static {
     /// never a durable write). Reads see it at once. The default writes durably.
     fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
         self.write(batch)
+    }
+
+    /// Compacts everything stored now, applying the store's [`Rewrite`] to each value, and
+    /// returns once done. A store rewrites in the background anyway; this is for tests and
+    /// for an operator who wants it done at once. The default has nothing to compact.
+    fn compact(&self) -> Result<(), StoreError> {
+        Ok(())
     }
 
     /// Where the store's writes stand. A cache of written values stamps each with the

@@ -17,7 +17,7 @@ use rocksdb::{
 
 use super::pipeline::{self, Pipeline};
 use super::wal_dir::{self, Placement};
-use super::{Batch, Compression, Entries, Op, Store, StoreError, Then};
+use super::{Batch, Compression, Entries, Op, Rewrite, Store, StoreError, Then};
 
 /// The column family holding every ledger record (keys are self-describing by their prefix).
 pub const LEDGER_CF: &str = "ledger";
@@ -50,6 +50,13 @@ pub struct StoreOptions {
     /// device): see [`wal_dir`](super::wal_dir) for how a store is tied to it. `None` keeps
     /// the log where it is; a store whose log was moved refuses to open without its directory.
     pub wal_dir: Option<PathBuf>,
+    /// What compaction rewrites (the ledger's retention, see [`Rewrite`]); `None` keeps every
+    /// value as written.
+    pub rewrite: Option<Rewrite>,
+    /// Seconds after which a table file is compacted again even if no write overlaps it
+    /// (RocksDB's `periodic_compaction_seconds`), so that the rewrite reaches every value
+    /// within this much of being due. 0 leaves it to RocksDB (30 days with a rewrite).
+    pub rewrite_within_secs: u64,
 }
 
 impl Default for StoreOptions {
@@ -62,6 +69,8 @@ impl Default for StoreOptions {
             wal_prime_bytes: 0,
             compression: Compression::default(),
             wal_dir: None,
+            rewrite: None,
+            rewrite_within_secs: 86_400,
         }
     }
 }
@@ -261,19 +270,77 @@ fn db_options(opts: &StoreOptions) -> Result<(Options, Vec<ColumnFamilyDescripto
         ))
         .map_err(engine)?;
 
+    let mut cf_opts = cf_opts;
+    if let Some(rewrite) = &opts.rewrite {
+        cf_opts.set_compaction_filter_factory(RewriteFactory(rewrite.clone()));
+        if opts.rewrite_within_secs > 0 {
+            cf_opts.set_periodic_compaction_seconds(opts.rewrite_within_secs);
+        }
+    }
+
     let cfs = vec![ColumnFamilyDescriptor::new(LEDGER_CF, cf_opts)];
     Ok((db_opts, cfs))
+}
+
+/// Makes a [`RewriteFilter`] for each compaction (RocksDB runs one filter per compaction job,
+/// on that job's thread).
+struct RewriteFactory(Rewrite);
+
+impl rocksdb::compaction_filter_factory::CompactionFilterFactory for RewriteFactory {
+    type Filter = RewriteFilter;
+
+    fn create(
+        &mut self,
+        _: rocksdb::compaction_filter_factory::CompactionFilterContext,
+    ) -> RewriteFilter {
+        RewriteFilter {
+            rewrite: self.0.clone(),
+            value: Vec::new(),
+        }
+    }
+
+    fn name(&self) -> &std::ffi::CStr {
+        c"fence.rewrite"
+    }
+}
+
+/// Applies a [`Rewrite`] to each value one compaction job reads.
+struct RewriteFilter {
+    rewrite: Rewrite,
+    /// The last new value, owned here until RocksDB has copied it.
+    value: Vec<u8>,
+}
+
+impl rocksdb::compaction_filter::CompactionFilter for RewriteFilter {
+    #[allow(unsafe_code)]
+    fn filter(&mut self, _level: u32, key: &[u8], value: &[u8]) -> rocksdb::CompactionDecision {
+        let Some(new) = self.rewrite.apply(key, value) else {
+            return rocksdb::CompactionDecision::Keep;
+        };
+        self.value = new;
+        // SAFETY: rust-rocksdb's `Decision::Change` asks for a `'static` slice only because it
+        // cannot name this call's lifetime. RocksDB's C API copies the new value into its own
+        // string as soon as this returns (`new_value->assign` in `rocksdb_compactionfilter_t::
+        // Filter`), before it calls this filter again, and `self.value` is neither changed nor
+        // dropped until then.
+        let value: &'static [u8] =
+            unsafe { std::slice::from_raw_parts(self.value.as_ptr(), self.value.len()) };
+        rocksdb::CompactionDecision::Change(value)
+    }
+
+    fn name(&self) -> &std::ffi::CStr {
+        c"fence.rewrite"
+    }
 }
 
 /// The memtable bloom filter's size as a fraction of the memtable's (see `db_options`).
 const MEMTABLE_BLOOM_RATIO: f64 = 0.02;
 
 /// The length of the prefix memtable inserts are hinted by: the kind and 8 bytes. Under a
-/// run those are 8 bytes of its run key (a hash: as distinct between runs as all 16). The
-/// expiry index, written by every finished effect, is ordered by time: there they are the
-/// expiry millisecond, so that the entries of one millisecond share a hint. With the whole
-/// run-key length every expiry entry had a prefix of its own: each insert searched the skip
-/// list from the top and added a hint that was never used again.
+/// run those are 8 bytes of its run key (a hash: as distinct between runs as all 16). Under
+/// the expiry index of formats before 7, ordered by time, they are the expiry millisecond, so
+/// that its entries of one millisecond share a hint instead of each adding one never used
+/// again.
 const INSERT_HINT_PREFIX_LEN: usize = 1 + 8;
 
 /// The prefix extractor's name, stored in every table file it filtered: a file written under
@@ -516,15 +583,6 @@ impl RocksStore {
     pub fn flush(&self) -> Result<(), StoreError> {
         self.engine
             .with_db(|db| db.flush_cf(cf(db)).map_err(engine))
-    }
-
-    /// Compacts the whole key range (after a bulk load, so that what is measured next does
-    /// not pay for the load's compaction debt).
-    pub fn compact(&self) -> Result<(), StoreError> {
-        self.engine.with_db(|db| {
-            db.compact_range_cf(cf(db), None::<&[u8]>, None::<&[u8]>);
-            Ok(())
-        })
     }
 
     /// Reads from RocksDB alone, past the staged writes.
@@ -777,6 +835,17 @@ impl Store for RocksStore {
         }
         crate::metrics::store_write("unsynced");
         self.engine.pipeline.write_unsynced(batch)
+    }
+
+    /// Compacts the whole key range, bottom level included, applying the rewrite (also after
+    /// a bulk load, so that what is measured next does not pay for the load's compaction debt).
+    fn compact(&self) -> Result<(), StoreError> {
+        self.engine.with_db(|db| {
+            let mut all = rocksdb::CompactOptions::default();
+            all.set_bottommost_level_compaction(rocksdb::BottommostLevelCompaction::Force);
+            db.compact_range_cf_opt(cf(db), None::<&[u8]>, None::<&[u8]>, &all);
+            Ok(())
+        })
     }
 
     fn deferred(&self, f: &mut dyn FnMut()) -> Result<(), StoreError> {
@@ -1141,6 +1210,61 @@ mod tests {
             text.contains("memtable_huge_page_size=2097152"),
             "in effect"
         );
+    }
+
+    #[test]
+    fn compaction_applies_the_rewrite_to_every_value_it_asks_for_and_keeps_the_rest() {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicBool;
+        let dir = tempfile::tempdir().unwrap();
+        let due = Arc::new(AtomicBool::new(false));
+        let rewrite = {
+            let due = due.clone();
+            Rewrite::new(move |key, value| {
+                (key[0] == 9 && due.load(Ordering::Relaxed) && value.starts_with(b"old"))
+                    .then(|| [&b"new"[..], &value[3..]].concat())
+            })
+        };
+        let opts = StoreOptions {
+            memtable_bytes: 1 << 20,
+            rewrite: Some(rewrite),
+            ..StoreOptions::default()
+        };
+        let key = |kind: u8, i: u32| [&[kind][..], &i.to_be_bytes()].concat();
+        let value = |head: &[u8], i: u32| [head, &[(i % 251) as u8; 1000][..]].concat();
+        let s = RocksStore::open(dir.path(), &opts).unwrap();
+        // 4 MB through a 1 MiB memtable: in several table files and the memtable.
+        for chunk in (0..2000u32).collect::<Vec<_>>().chunks(100) {
+            let mut b = Batch::new();
+            for &i in chunk {
+                b.put(key(9, i), value(b"old", i));
+                b.put(key(8, i), value(b"old", i));
+            }
+            s.write(b).unwrap();
+        }
+        s.compact().unwrap();
+        assert_eq!(
+            s.get(&key(9, 7)).unwrap(),
+            Some(value(b"old", 7)),
+            "not asked"
+        );
+        due.store(true, Ordering::Relaxed);
+        s.compact().unwrap();
+        for i in 0..2000 {
+            assert_eq!(s.get(&key(9, i)).unwrap(), Some(value(b"new", i)));
+            assert_eq!(s.get(&key(8, i)).unwrap(), Some(value(b"old", i)));
+        }
+        drop(s);
+        // The rewritten values are what is stored, with or without the rewrite.
+        let s = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        assert_eq!(s.get(&key(9, 1999)).unwrap(), Some(value(b"new", 1999)));
+        assert_eq!(s.scan(&[9], &[9], usize::MAX).unwrap().len(), 2000);
+        drop(s);
+        let s = RocksStore::open(dir.path(), &opts).unwrap();
+        drop(s);
+        let text = options_file(dir.path());
+        assert!(text.contains("periodic_compaction_seconds=86400"), "{text}");
+        assert!(text.contains("fence.rewrite"), "the filter is in effect");
     }
 
     /// The newest OPTIONS file RocksDB wrote in `dir`: the options a store was opened with.

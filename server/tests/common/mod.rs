@@ -49,6 +49,9 @@ impl Store for TestStore {
     fn write_unsynced(&self, batch: Batch) -> Result<(), StoreError> {
         self.store().write_unsynced(batch)
     }
+    fn compact(&self) -> Result<(), StoreError> {
+        self.store().compact()
+    }
 }
 
 pub struct Harness {
@@ -75,10 +78,16 @@ pub fn rocksdb_harness() -> Harness {
 fn harness_on(mem: bool) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(1_700_000_000_000);
+    // Compaction applies retention as `fenced`'s store does.
+    let rewrite = fence_server::ledger::expiry::retention_rewrite(Arc::new(clock.clone()));
     let store = if mem {
-        TestStore::Mem(MemStore::new())
+        TestStore::Mem(MemStore::with_rewrite(rewrite))
     } else {
-        TestStore::Rocks(RocksStore::open(dir.path(), &StoreOptions::default()).unwrap())
+        let opts = StoreOptions {
+            rewrite: Some(rewrite),
+            ..StoreOptions::default()
+        };
+        TestStore::Rocks(RocksStore::open(dir.path(), &opts).unwrap())
     };
     let config = LedgerConfig {
         default_lease_ms: LEASE,
