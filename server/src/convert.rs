@@ -21,13 +21,12 @@ type Result<T> = std::result::Result<T, LedgerError>;
 
 /// A receipt for a record (`recorded` false: an unrecorded SAFE_RETRY grant, no effect id).
 pub fn receipt(rec: EffectRecord, recorded: bool) -> pb::Receipt {
-    let rk = keys::run_key(&rec.tenant, &rec.run_id);
-    let id_of = |seq: u64| {
-        if seq == 0 {
-            String::new()
-        } else {
-            EffectId { run_key: rk, seq }.to_string()
-        }
+    // The run key (a hash of tenant and run id) only if an id is shown.
+    let shown = recorded || rec.compensates_seq != 0 || rec.compensated_by_seq != 0;
+    let rk = shown.then(|| keys::run_key(&rec.tenant, &rec.run_id));
+    let id_of = move |seq: u64| match rk {
+        Some(run_key) if seq != 0 => EffectId { run_key, seq }.to_string(),
+        _ => String::new(),
     };
     pb::Receipt {
         effect_id: if recorded {
@@ -92,17 +91,17 @@ pub fn begin_response(b: Begun) -> pb::BeginResponse {
         Decision::Execute {
             receipt: rec,
             recorded,
-        } => O::Execute(pb::Execute {
-            effect_id: if recorded {
-                rec.id().to_string()
-            } else {
-                String::new()
-            },
-            downstream_key: rec.downstream_key.clone(),
-            lease_expires_at_ms: rec.lease_expires_at_ms,
-            attempt: rec.attempt,
-            receipt: Some(receipt(*rec, recorded)),
-        }),
+        } => {
+            // The receipt holds the same effect id (empty unless recorded): derived once.
+            let receipt = receipt(*rec, recorded);
+            O::Execute(pb::Execute {
+                effect_id: receipt.effect_id.clone(),
+                downstream_key: receipt.downstream_key.clone(),
+                lease_expires_at_ms: receipt.lease_expires_at_ms,
+                attempt: receipt.attempt,
+                receipt: Some(receipt),
+            })
+        }
         Decision::Replay(rec) => O::Replay(pb::Replay {
             receipt: Some(receipt(*rec, true)),
         }),
