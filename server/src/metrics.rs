@@ -17,6 +17,7 @@
 //! | `fence_wal_sync_seconds` | histogram | each synced write's time in RocksDB: WAL write, `fdatasync`, memtable insert (every acknowledged decision waits for one) |
 //! | `fence_store_bytes` | gauge | the store's table files and memtables (updated every background pass, `--sweep-interval-ms`) |
 //! | `fence_store_recovery_losses` | gauge | what RocksDB's recovery dropped from its WAL at the last open (logged at WARN, one line each) |
+//! | `fence_retention_tombstones_total` | counter | finished effects past their retention window whose payload compaction dropped (each counted when its table file is rewritten) |
 //! | `fence_open_effects` | gauge | `state` (accepted, running: lease live; effect_unknown: needs a reconcile), updated every background pass |
 
 use std::time::Instant;
@@ -57,6 +58,11 @@ pub fn group_commit(requests: usize, ok: bool) {
 /// Records a lone request decided and committed on the thread that received it.
 pub fn inline_commit() {
     metrics::counter!("fence_inline_commits_total").increment(1);
+}
+
+/// Records an effect record that compaction made a tombstone (from RocksDB's threads).
+pub fn retention_tombstone() {
+    metrics::counter!("fence_retention_tombstones_total").increment(1);
 }
 
 /// Records a call refused by the per-tenant rate limit.

@@ -33,6 +33,7 @@ pub fn retention_rewrite(clock: Arc<dyn Clock>) -> Rewrite {
         }
         let mut rec: EffectRecord = codec::decode(key, value).ok()?;
         rec.make_tombstone();
+        crate::metrics::retention_tombstone();
         Some(codec::encode(&rec))
     })
 }
@@ -228,6 +229,28 @@ mod tests {
             rewrite.apply(&key, b"\xffjunk"),
             None,
             "undecodable: kept for verify"
+        );
+    }
+
+    #[cfg(feature = "rocksdb")]
+    #[test]
+    fn each_tombstone_compaction_makes_is_counted() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let clock = ManualClock::new(5000);
+        let rewrite = retention_rewrite(Arc::new(clock));
+        metrics::with_local_recorder(&recorder, || {
+            let (key, value) = finished(2000);
+            let tomb = rewrite.apply(&key, &value).unwrap();
+            assert_eq!(rewrite.apply(&key, &tomb), None);
+            let (key, value) = finished(9000);
+            assert_eq!(rewrite.apply(&key, &value), None);
+        });
+        let text = handle.render();
+        assert!(
+            text.lines()
+                .any(|l| l == "fence_retention_tombstones_total 1"),
+            "{text}"
         );
     }
 }
