@@ -5,6 +5,10 @@
 //! in-memory one for fuzzing and embedding in tests of other crates; a distributed
 //! transactional store (TiKV, FoundationDB, a distributed SQL database) can implement the same
 //! trait. Keys are built in [`keys`]; values are versioned protobuf bodies ([`codec`]).
+//! Besides, a store given a [`Rewrite`] applies it to stored values in the background (RocksDB:
+//! a compaction filter); that is how retention drops payloads without writing anything when an
+//! effect finishes. A store without one loses nothing but disk space: reads already show every
+//! rewrite's result.
 
 pub mod codec;
 pub mod keys;
