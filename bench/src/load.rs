@@ -1038,7 +1038,7 @@ fn time_effects<S: fence_server::store::Store>(
 }
 
 /// The measured effects: the function a callgrind run toggles collection on (never inlined,
-/// so its name stays in the binary; the warm-up calls [`effects_from`] outside it).
+/// so its name stays in the binary; the warm-up calls `effects_from` outside it).
 #[inline(never)]
 pub fn measured_effects<S: fence_server::store::Store>(
     ledger: &fence_server::ledger::Ledger<S>,
