@@ -20,9 +20,10 @@ use crate::error::Error;
 use crate::retry::RetryPolicy;
 use crate::session::Session;
 use crate::types::{
-    Backup, BackupReport, BeginOutcome, CheckpointInfo, Compensation, CompleteCall, Completion,
-    CredentialInfo, CredentialUse, EffectState, Finding, Forked, NewCredential, Outcome,
-    OutcomeKey, Receipt, RegisteredTool, Restored, RunInfo, Stored, ToolDef, receipt_req, required,
+    Backup, BackupReport, BeginOutcome, CheckpointInfo, Compacted, Compensation, CompleteCall,
+    Completion, CredentialInfo, CredentialUse, EffectState, Finding, Forked, NewCredential,
+    Outcome, OutcomeKey, Receipt, RegisteredTool, Restored, RunInfo, Stored, ToolDef, receipt_req,
+    required,
 };
 
 /// A boxed error, as returned by a custom transport.
@@ -776,6 +777,26 @@ impl FenceClient {
             })
             .await?;
         Ok(required(response.report, "report")?.into())
+    }
+
+    /// Compacts the server's whole store now (the `Admin` service: in token mode the client's
+    /// token must be marked `admin`): every finished effect past its retention window becomes
+    /// its tombstone on disk too, and space is reclaimed. The server does this in the
+    /// background anyway (every table file at least once per `--retention-compaction-hours`);
+    /// this is for when it must be done at once. It rewrites every table file.
+    pub async fn compact_store(&self) -> Result<Compacted, Error> {
+        let response = self
+            .unary_on(
+                self.admin.clone(),
+                pb::CompactStoreRequest {},
+                |mut s, r| async move { s.compact_store(r).await },
+            )
+            .await?;
+        Ok(Compacted {
+            bytes_before: response.bytes_before,
+            bytes_after: response.bytes_after,
+            took_ms: response.took_ms,
+        })
     }
 
     /// Registers (or re-registers) a tool. An identical definition returns the current version

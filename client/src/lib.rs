@@ -65,9 +65,9 @@ pub use session::Session;
 /// TLS settings for [`FenceClientBuilder::tls`] (re-exported from tonic).
 pub use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 pub use types::{
-    Backup, BackupReport, BeginOutcome, BranchInfo, CheckpointInfo, Compensation, CompleteCall,
-    Completion, CredentialInfo, CredentialUse, Decision, EffectState, Finding, Forked, Grant,
-    IntentSchema, NewCredential, OperationClass, Outcome, OutcomeKey, ReasonCode, Receipt,
-    RecoveryAction, Refusal, RegisteredTool, RestoreEvent, Restored, RunInfo, Stored,
+    Backup, BackupReport, BeginOutcome, BranchInfo, CheckpointInfo, Compacted, Compensation,
+    CompleteCall, Completion, CredentialInfo, CredentialUse, Decision, EffectState, Finding,
+    Forked, Grant, IntentSchema, NewCredential, OperationClass, Outcome, OutcomeKey, ReasonCode,
+    Receipt, RecoveryAction, Refusal, RegisteredTool, RestoreEvent, Restored, RunInfo, Stored,
     StringNormalization, ToolDef,
 };

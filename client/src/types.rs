@@ -1338,6 +1338,17 @@ impl From<pb::BackupReport> for BackupReport {
     }
 }
 
+/// What [`FenceClient::compact_store`](crate::FenceClient::compact_store) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compacted {
+    /// Bytes of the store (table files and memtables) before.
+    pub bytes_before: u64,
+    /// Bytes of the store after.
+    pub bytes_after: u64,
+    /// How long it took, in milliseconds.
+    pub took_ms: u64,
+}
+
 /// A backup written by [`FenceClient::create_backup`](crate::FenceClient::create_backup).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Backup {

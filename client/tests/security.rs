@@ -142,6 +142,9 @@ async fn the_bearer_token_authenticates_and_selects_the_tenant() {
         .unwrap();
     let err = globex.get_run(&run_id).await.unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::NotFound), "{err:?}");
+    // Whole-server actions take an admin token; neither of these is one.
+    let err = acme.compact_store().await.unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::PermissionDenied), "{err:?}");
 
     for client in [
         builder(&server.url()).connect().await.unwrap(),

@@ -1,6 +1,6 @@
-//! The `fence.v1.Admin` service: online backup of the whole ledger and verification of a
-//! backup. Whole-server actions, so they are guarded by admin tokens ([`Auth::authorize_admin`])
-//! rather than scoped to a tenant.
+//! The `fence.v1.Admin` service: online backup of the whole ledger, verification of a
+//! backup, and compaction of the store on demand. Whole-server actions, so they are guarded
+//! by admin tokens ([`Auth::authorize_admin`]) rather than scoped to a tenant.
 //!
 //! A backup is a data dir: `ledger/` (a RocksDB checkpoint of the store) and `credential.key`
 //! (the key credentials are hashed with: without it, a credential spent before the backup would
@@ -20,7 +20,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::ledger::verify::VerifyReport;
 use crate::ledger::{Ledger, LedgerConfig};
 use crate::server::{self, CREDENTIAL_KEY_FILE, LEDGER_DIR};
-use crate::store::{RocksStore, StoreOptions};
+use crate::store::{RocksStore, Store, StoreOptions};
 
 /// Serves backups of one ledger.
 pub struct AdminService {
@@ -202,6 +202,31 @@ impl pb::admin_server::Admin for AdminService {
             }
             Ok(pb::VerifyBackupResponse {
                 report: Some(report(verify_dir(&dir)?)),
+            })
+        })
+        .await
+    }
+
+    async fn compact_store(
+        &self,
+        _: Request<pb::CompactStoreRequest>,
+    ) -> Result<Response<pb::CompactStoreResponse>, Status> {
+        let ledger = self.ledger.clone();
+        blocking("CompactStore", move || {
+            let store = ledger.store();
+            let failed = |e: crate::store::StoreError| {
+                Status::unavailable(format!("compacting the store failed: {e}"))
+            };
+            let bytes_before = store.size_bytes().map_err(failed)?;
+            let started = Instant::now();
+            store.compact().map_err(failed)?;
+            let took_ms = started.elapsed().as_millis() as u64;
+            let bytes_after = store.size_bytes().map_err(failed)?;
+            tracing::info!(bytes_before, bytes_after, took_ms, "store compacted");
+            Ok(pb::CompactStoreResponse {
+                bytes_before,
+                bytes_after,
+                took_ms,
             })
         })
         .await

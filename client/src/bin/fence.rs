@@ -15,6 +15,7 @@
 //! fence reconcile EFFECT_ID (--failed-before-input | --completed RESULT) --evidence TEXT
 //! fence backup create DIR [--json]   # DIR: a new absolute path on the server's machine
 //! fence backup verify DIR [--json]
+//! fence store compact [--json]   # drop expired payloads on disk now, reclaim space
 //! ```
 //!
 //! Exit codes: 0 done; 1 the server refused or failed the request; 2 bad usage; 3 the server
@@ -100,6 +101,11 @@ enum Command {
         #[command(subcommand)]
         command: BackupCommand,
     },
+    /// The server's store (needs an admin token in token mode).
+    Store {
+        #[command(subcommand)]
+        command: StoreCommand,
+    },
     /// Settle an effect whose outcome is unknown, after checking the downstream system.
     Reconcile {
         /// The effect's id.
@@ -117,6 +123,18 @@ enum Command {
         /// What you checked (kept for audit).
         #[arg(long)]
         evidence: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum StoreCommand {
+    /// Compact the whole store now: finished effects past their retention window lose their
+    /// payload on disk too (the server does this in the background within
+    /// `--retention-compaction-hours`), and space is reclaimed. Rewrites every table file.
+    Compact {
+        /// As one JSON object.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -372,6 +390,25 @@ async fn run(args: Args) -> Result<(), Failure> {
                 }
             } else {
                 print_table(&effects, true);
+            }
+            Ok(())
+        }
+        Command::Store {
+            command: StoreCommand::Compact { json },
+        } => {
+            let done = client.compact_store().await?;
+            let line = serde_json::json!({
+                "bytes_before": done.bytes_before,
+                "bytes_after": done.bytes_after,
+                "took_ms": done.took_ms,
+            });
+            if json {
+                println!("{line}");
+            } else {
+                println!(
+                    "compacted in {} ms: {} bytes before, {} after",
+                    done.took_ms, done.bytes_before, done.bytes_after
+                );
             }
             Ok(())
         }

@@ -622,6 +622,15 @@ def verify_backup(directory: str) -> Rpc:
     )
 
 
+def compact_store() -> Rpc:
+    return Rpc(
+        "CompactStore",
+        pb.CompactStoreRequest(),
+        lambda r: t.Compacted(r.bytes_before, r.bytes_after, r.took_ms),
+        service="Admin",
+    )
+
+
 def list_unsettled_effects(state: t.EffectState | None, page_size: int, page_token: str) -> Rpc:
     return Rpc(
         "ListUnsettledEffects",

@@ -377,6 +377,13 @@ class AsyncClient:
         """Reads and checks every record of a backup on the server's machine."""
         return await self._call(rq.verify_backup(directory))
 
+    async def compact_store(self) -> t.Compacted:
+        """Compacts the server's whole store now: finished effects past their retention window
+        lose their payload on disk too (the server does this in the background within
+        ``--retention-compaction-hours``), and space is reclaimed. It rewrites every table
+        file. In token mode the client's token must be marked ``admin``."""
+        return await self._call(rq.compact_store())
+
     # -- credentials ------------------------------------------------------------------------
 
     async def register_credential(

@@ -17,6 +17,7 @@ from .v1 import fence_pb2 as pb
 __all__ = [
     "Backup",
     "BackupReport",
+    "Compacted",
     "BeginResult",
     "BranchInfo",
     "CheckpointInfo",
@@ -683,6 +684,15 @@ class BackupReport:
     def sound(self) -> bool:
         """True when nothing is wrong."""
         return self.problem_count == 0
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """What ``compact_store`` did: the store's bytes before and after, and how long it took."""
+
+    bytes_before: int
+    bytes_after: int
+    took_ms: int
 
 
 @dataclass(frozen=True)
