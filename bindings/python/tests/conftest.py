@@ -125,9 +125,11 @@ def tenant() -> str:
     return f"py-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture
-def client(server: FenceServer, tenant: str) -> Iterator[fence.Client]:
-    with fence.Client(server.addr, tenant=tenant, timeout=20) as c:
+@pytest.fixture(params=[False, True], ids=["unary", "sessions"])
+def client(server: FenceServer, tenant: str, request: pytest.FixtureRequest) -> Iterator[fence.Client]:
+    """A client of the test's tenant, once with an RPC per call and once with Begin,
+    Complete and Heartbeat on a shared Session stream: every rule must hold both ways."""
+    with fence.Client(server.addr, tenant=tenant, timeout=20, sessions=request.param) as c:
         yield c
 
 

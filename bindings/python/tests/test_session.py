@@ -66,6 +66,38 @@ def test_a_session_decides_as_the_unary_methods(client: fence.Client, run_id: st
         granted(session.begin(charge(run_id, "next", amount=1)))
 
 
+def test_a_client_with_sessions_sends_its_calls_on_one_stream(server: Any, tenant: str, run_id: str) -> None:
+    with fence.Client(server.addr, tenant=tenant, timeout=20, sessions=True) as c:
+        c.register_tool("pay", OperationClass.NON_RETRYABLE, volatile_fields=["reference"])
+        assert c._session is not None and c._session._link is None, "no stream before a call"
+        ex = granted(c.begin(run_id, "pay", charge(run_id, "pay").arguments, step_key="pay"))
+        stream = c._session._link
+        assert stream is not None and not stream.broken
+        c.heartbeat(ex.effect_id, ex.attempt, 0)
+        c.complete(ex.effect_id, ex.attempt, 0, result=b"ch_1")
+        assert c._session._link is stream, "the calls shared the stream"
+        replay = c.begin(run_id, "pay", charge(run_id, "pay").arguments, step_key="pay")
+        assert isinstance(replay.decision, Replay) and replay.decision.receipt.result == b"ch_1"
+    assert c._session._link is None, "closing the client ended its stream"
+
+
+def test_an_async_client_with_sessions_shares_a_stream_per_loop(server: Any, tenant: str, run_id: str) -> None:
+    client = AsyncClient(server.addr, tenant=tenant, timeout=20, sessions=True)
+
+    async def turn(step: str) -> int:
+        await client.register_tool("pay", OperationClass.NON_RETRYABLE, volatile_fields=["reference"])
+        amount = {"a": 100, "b": 200}[step]
+        ex = granted(await client.begin(run_id, "pay", charge(run_id, step, amount).arguments, step_key=step))
+        await client.complete(ex.effect_id, ex.attempt, 0, result=step.encode())
+        session = client._loop_session()
+        assert session._link is not None, "the calls went on the loop's stream"
+        await client.close()
+        return id(session)
+
+    # Two loops (as two asyncio.run calls): each gets a session of its own.
+    assert asyncio.run(turn("a")) != asyncio.run(turn("b"))
+
+
 def test_threads_share_one_session(client: fence.Client, run_id: str) -> None:
     client.register_tool("pay", OperationClass.NON_RETRYABLE, volatile_fields=["reference"])
 

@@ -13,7 +13,7 @@ from . import _requests as rq
 from . import types as t
 from .client import DEFAULT_TARGET
 from .errors import FenceError, error_from_rpc
-from .session import AsyncSession
+from .session import AsyncSession, carried
 from .v1 import fence_pb2_grpc
 
 __all__ = ["AsyncClient"]
@@ -36,6 +36,10 @@ class AsyncClient:
         channel_credentials: TLS credentials; ``None`` = plaintext.
         channel: an existing channel to use instead (the client does not close it).
         metadata: extra metadata sent with every call.
+        sessions: send ``begin``, ``complete`` and ``heartbeat`` (and so every integration
+            built on them) as messages on one shared ``Session`` stream per event loop instead
+            of one RPC each: the same decisions and errors at a lower cost per call (see
+            :meth:`session`). Off by default.
 
     The client may be created anywhere, at module level included: it opens its channel
     lazily, in the event loop that first uses it, and a new one for each other loop that uses
@@ -53,9 +57,11 @@ class AsyncClient:
         channel_credentials: grpc.ChannelCredentials | None = None,
         channel: grpc.aio.Channel | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        sessions: bool = False,
     ) -> None:
         self.target = target
         self.timeout = timeout
+        self.sessions = sessions
         self._owns_channel = channel is None
         self._credentials = channel_credentials
         self._given = channel
@@ -65,8 +71,25 @@ class AsyncClient:
             int, tuple[weakref.ref[asyncio.AbstractEventLoop], grpc.aio.Channel, dict[str, Any]]
         ] = {}
         self._metadata = rq.call_metadata(tenant, token, metadata)
+        # Per event loop, with `sessions`: the session its calls share (a stream belongs to
+        # the loop of its first call, as a channel does).
+        self._sessions: dict[int, tuple[weakref.ref[asyncio.AbstractEventLoop], AsyncSession]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    def _loop_session(self) -> AsyncSession:
+        """The running loop's shared session, made on its first call."""
+        loop = asyncio.get_running_loop()
+        entry = self._sessions.get(id(loop))
+        if entry is not None and entry[0]() is loop:
+            return entry[1]
+        for key, (ref, _) in list(self._sessions.items()):
+            alive = ref()
+            if alive is None or alive.is_closed():
+                del self._sessions[key]
+        session = self.session()
+        self._sessions[id(loop)] = (weakref.ref(loop), session)
+        return session
 
     @property
     def _stubs(self) -> dict[str, Any]:
@@ -95,6 +118,8 @@ class AsyncClient:
         return stubs
 
     async def _call(self, rpc: rq.Rpc) -> Any:
+        if self.sessions and carried(rpc):
+            return await self._loop_session()._call(rpc)
         method = getattr(self._stubs[rpc.service], rpc.method)
         try:
             response = await method(rpc.request, timeout=self.timeout, metadata=self._metadata)
@@ -103,9 +128,13 @@ class AsyncClient:
         return rpc.convert(response)
 
     async def close(self) -> None:
-        """Closes the channel this client opened in the running loop (a channel given to the
-        constructor is left open); channels of other loops close with their loop."""
+        """Ends the running loop's session stream (with ``sessions``) and closes the channel
+        this client opened in that loop (a channel given to the constructor is left open);
+        channels and streams of other loops end with their loop."""
         loop = asyncio.get_running_loop()
+        session = self._sessions.pop(id(loop), None)
+        if session is not None:
+            await session[1].close()
         entry = self._by_loop.pop(id(loop), None)
         if entry is not None and self._owns_channel:
             await entry[1].close(None)

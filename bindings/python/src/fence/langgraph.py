@@ -115,7 +115,10 @@ class FenceCheckpointer(BaseCheckpointSaver):  # type: ignore[misc]
         """The async client async tools use (made on first use, like ``client``)."""
         if self._aclient is None:
             self._aclient = AsyncClient(
-                self.client.target, timeout=self.client.timeout, metadata=self.client._metadata
+                self.client.target,
+                timeout=self.client.timeout,
+                metadata=self.client._metadata,
+                sessions=self.client.sessions,
             )
         return self._aclient
 

@@ -34,6 +34,11 @@ __all__ = ["Session", "AsyncSession"]
 _FIELD = {"Begin": "begin", "Complete": "complete", "Heartbeat": "heartbeat"}
 
 
+def carried(rpc: rq.Rpc) -> bool:
+    """Whether a session carries this RPC (Begin, Complete and Heartbeat of ``Fence``)."""
+    return rpc.service == "Fence" and rpc.method in _FIELD
+
+
 def _broken(cause: str) -> FenceUnavailable:
     return FenceUnavailable(
         grpc.StatusCode.UNAVAILABLE,
@@ -147,6 +152,10 @@ class Session:
                 self._link = _Link(self._open, self._metadata)
             return self._link
 
+    def _call(self, rpc: rq.Rpc) -> Any:
+        """Sends one Begin, Complete or Heartbeat as a message and returns its answer."""
+        return self._current().call(rpc, self.timeout)
+
     def begin(self, call: rq.BeginCall) -> t.BeginResult:
         """Asks to perform one call, as :meth:`fence.Client.begin` with the same arguments."""
         result: t.BeginResult = self._current().call(call.rpc(), self.timeout)
@@ -249,6 +258,10 @@ class AsyncSession:
         if link is None or link.broken or link.loop is not asyncio.get_running_loop():
             link = self._link = _AsyncLink(self._stub().Session, self._metadata)
         return link
+
+    async def _call(self, rpc: rq.Rpc) -> Any:
+        """Sends one Begin, Complete or Heartbeat as a message and returns its answer."""
+        return await self._current().call(rpc, self.timeout)
 
     async def begin(self, call: rq.BeginCall) -> t.BeginResult:
         """Asks to perform one call, as :meth:`fence.AsyncClient.begin`."""
