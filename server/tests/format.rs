@@ -10,18 +10,17 @@ use fence_server::ledger::{BeginCmd, Decision};
 use fence_server::server::{ServeError, open_ledger};
 use fence_server::store::{Batch, Store, codec, keys};
 
-fn open(
-    dir: &std::path::Path,
-) -> Result<fence_server::ledger::Ledger<fence_server::store::RocksStore>, ServeError> {
+/// A ledger as `fenced` opens it.
+type Served = fence_server::ledger::Ledger<fence_server::store::RocksStore>;
+
+fn open(dir: &std::path::Path) -> Result<Served, ServeError> {
     open_ledger(
         &fence_server::Config::with_data_dir(dir),
         Arc::new(SystemClock),
     )
 }
 
-fn format_of(
-    ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>,
-) -> Option<u32> {
+fn format_of(ledger: &Served) -> Option<u32> {
     let bytes = ledger.store().get(&keys::meta()).unwrap()?;
     Some(
         codec::decode::<FormatRecord>(&keys::meta(), &bytes)
@@ -267,8 +266,7 @@ fn a_format_5_data_dir_is_migrated_and_keeps_its_effects_with_its_log_elsewhere(
 fn a_format_6_data_dirs_expiry_entries_are_still_swept_and_new_effects_need_none() {
     let dir = tempfile::tempdir().unwrap();
     let rk = keys::run_key("t", "r");
-    let finish = |ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>,
-                  step: &str| {
+    let finish = |ledger: &Served, step: &str| {
         let cmd = BeginCmd {
             arguments_json: format!(r#"{{"amount":1,"to":"{step}"}}"#),
             ..call(step)
@@ -287,8 +285,7 @@ fn a_format_6_data_dirs_expiry_entries_are_still_swept_and_new_effects_need_none
             )
             .unwrap()
     };
-    let stored = |ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>,
-                  seq: u64| {
+    let stored = |ledger: &Served, seq: u64| {
         let key = keys::effect(&rk, seq);
         codec::decode::<fence_server::ledger::records::EffectRecord>(
             &key,
@@ -296,15 +293,14 @@ fn a_format_6_data_dirs_expiry_entries_are_still_swept_and_new_effects_need_none
         )
         .unwrap()
     };
-    let expiry_entries =
-        |ledger: &fence_server::ledger::Ledger<fence_server::store::RocksStore>| {
-            let prefix = keys::expiry_prefix();
-            ledger
-                .store()
-                .scan(&prefix, &prefix, usize::MAX)
-                .unwrap()
-                .len()
-        };
+    let expiry_entries = |ledger: &Served| {
+        let prefix = keys::expiry_prefix();
+        ledger
+            .store()
+            .scan(&prefix, &prefix, usize::MAX)
+            .unwrap()
+            .len()
+    };
     let old = {
         let ledger = open(dir.path()).unwrap();
         ledger

@@ -427,7 +427,7 @@ def test_the_store_is_compacted_on_demand(client: fence.Client, run_id: str) -> 
     client.complete(ex.effect_id, ex.attempt, 1, result=b'{"tx":"T1"}')
     done = client.compact_store()
     assert isinstance(done, fence.types.Compacted)
-    assert done.bytes_after > 0 and done.took_ms >= 0
+    assert done.bytes_after > 0
     # Compaction changes no answer: the effect replays as before.
     again = client.begin(run_id, TRANSFER, transfer_args(), step_key="s")
     assert isinstance(again.decision, Replay), again.decision

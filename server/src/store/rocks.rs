@@ -282,6 +282,9 @@ fn db_options(opts: &StoreOptions) -> Result<(Options, Vec<ColumnFamilyDescripto
     Ok((db_opts, cfs))
 }
 
+/// The name RocksDB logs and records in its OPTIONS file for the rewrite's filter.
+const REWRITE_NAME: &std::ffi::CStr = c"fence.rewrite";
+
 /// Makes a [`RewriteFilter`] for each compaction (RocksDB runs one filter per compaction job,
 /// on that job's thread).
 struct RewriteFactory(Rewrite);
@@ -300,7 +303,7 @@ impl rocksdb::compaction_filter_factory::CompactionFilterFactory for RewriteFact
     }
 
     fn name(&self) -> &std::ffi::CStr {
-        c"fence.rewrite"
+        REWRITE_NAME
     }
 }
 
@@ -329,7 +332,7 @@ impl rocksdb::compaction_filter::CompactionFilter for RewriteFilter {
     }
 
     fn name(&self) -> &std::ffi::CStr {
-        c"fence.rewrite"
+        REWRITE_NAME
     }
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 import grpc
@@ -17,6 +18,16 @@ from .session import AsyncSession, carried
 from .v1 import fence_pb2_grpc
 
 __all__ = ["AsyncClient"]
+
+
+@dataclass
+class _LoopState:
+    """What an :class:`AsyncClient` opened in one event loop."""
+
+    loop: weakref.ref[asyncio.AbstractEventLoop]
+    channel: grpc.aio.Channel
+    stubs: dict[str, Any]
+    session: AsyncSession | None = None
 
 
 class AsyncClient:
@@ -65,43 +76,24 @@ class AsyncClient:
         self._owns_channel = channel is None
         self._credentials = channel_credentials
         self._given = channel
-        # Per event loop: the channel opened in it and its stub (a grpc.aio channel belongs
-        # to the loop it was created in).
-        self._by_loop: dict[
-            int, tuple[weakref.ref[asyncio.AbstractEventLoop], grpc.aio.Channel, dict[str, Any]]
-        ] = {}
+        # Per event loop: the channel opened in it, its stubs and (with `sessions`) the
+        # session its calls share. A grpc.aio channel, and a stream, belong to the loop they
+        # were opened in.
+        self._by_loop: dict[int, _LoopState] = {}
         self._metadata = rq.call_metadata(tenant, token, metadata)
-        # Per event loop, with `sessions`: the session its calls share (a stream belongs to
-        # the loop of its first call, as a channel does).
-        self._sessions: dict[int, tuple[weakref.ref[asyncio.AbstractEventLoop], AsyncSession]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _loop_session(self) -> AsyncSession:
-        """The running loop's shared session, made on its first call."""
+    def _loop(self) -> _LoopState:
+        """The running loop's channel, stubs and session, the channel opened on first use in
+        that loop."""
         loop = asyncio.get_running_loop()
-        entry = self._sessions.get(id(loop))
-        if entry is not None and entry[0]() is loop:
-            return entry[1]
-        for key, (ref, _) in list(self._sessions.items()):
-            alive = ref()
-            if alive is None or alive.is_closed():
-                del self._sessions[key]
-        session = self.session()
-        self._sessions[id(loop)] = (weakref.ref(loop), session)
-        return session
-
-    @property
-    def _stubs(self) -> dict[str, Any]:
-        """The stubs (by service) of the running loop's channel, opened on first use in that
-        loop."""
-        loop = asyncio.get_running_loop()
-        entry = self._by_loop.get(id(loop))
-        if entry is not None and entry[0]() is loop:
-            return entry[2]
+        state = self._by_loop.get(id(loop))
+        if state is not None and state.loop() is loop:
+            return state
         # Forget channels of loops that are gone (their ids may be reused).
-        for key, (ref, _, _) in list(self._by_loop.items()):
-            alive = ref()
+        for key, known in list(self._by_loop.items()):
+            alive = known.loop()
             if alive is None or alive.is_closed():
                 del self._by_loop[key]
         channel = self._given
@@ -114,8 +106,21 @@ class AsyncClient:
             "Fence": fence_pb2_grpc.FenceStub(channel),
             "Admin": fence_pb2_grpc.AdminStub(channel),
         }
-        self._by_loop[id(loop)] = (weakref.ref(loop), channel, stubs)
-        return stubs
+        state = _LoopState(weakref.ref(loop), channel, stubs)
+        self._by_loop[id(loop)] = state
+        return state
+
+    @property
+    def _stubs(self) -> dict[str, Any]:
+        """The stubs (by service) of the running loop's channel."""
+        return self._loop().stubs
+
+    def _loop_session(self) -> AsyncSession:
+        """The running loop's shared session, made on its first call."""
+        state = self._loop()
+        if state.session is None:
+            state.session = self.session()
+        return state.session
 
     async def _call(self, rpc: rq.Rpc) -> Any:
         if self.sessions and carried(rpc):
@@ -132,12 +137,13 @@ class AsyncClient:
         this client opened in that loop (a channel given to the constructor is left open);
         channels and streams of other loops end with their loop."""
         loop = asyncio.get_running_loop()
-        session = self._sessions.pop(id(loop), None)
-        if session is not None:
-            await session[1].close()
-        entry = self._by_loop.pop(id(loop), None)
-        if entry is not None and self._owns_channel:
-            await entry[1].close(None)
+        state = self._by_loop.pop(id(loop), None)
+        if state is None:
+            return
+        if state.session is not None:
+            await state.session.close()
+        if self._owns_channel:
+            await state.channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:
         return self
