@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use super::records::EffectRecord;
-use super::{Ledger, Result, State};
+use super::{Ledger, Result, State, retention_passed};
 use crate::clock::Clock;
 use crate::store::{Batch, Rewrite, Store, codec, keys};
 
@@ -28,7 +28,7 @@ pub fn retention_rewrite(clock: Arc<dyn Clock>) -> Rewrite {
         // Compaction passes every effect record several times in its life: the two fields
         // first, the whole record (its strings allocated) only when it is due.
         let due: RetentionFields = codec::decode(key, value).ok()?;
-        if due.tombstone || due.expires_at_ms == 0 || due.expires_at_ms > clock.now_ms() {
+        if due.tombstone || !retention_passed(due.expires_at_ms, clock.now_ms()) {
             return None;
         }
         let mut rec: EffectRecord = codec::decode(key, value).ok()?;
@@ -70,7 +70,7 @@ impl<S: Store> Ledger<S> {
             if let Some(mut rec) = self.get::<EffectRecord>(&effect_key)? {
                 // The entry may be stale (the effect was granted again since): only a record
                 // whose current expiry has passed becomes a tombstone.
-                if !rec.tombstone && rec.expires_at_ms != 0 && rec.expires_at_ms <= now {
+                if rec.due_for_tombstone(now) {
                     rec.make_tombstone();
                     batch.put(effect_key, codec::encode(&rec));
                 }

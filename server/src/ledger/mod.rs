@@ -716,7 +716,7 @@ impl EffectRecord {
             self.state = State::EffectUnknown.code();
             self.lease_expires_at_ms = 0;
         }
-        if !self.tombstone && self.expired_at(now) {
+        if self.due_for_tombstone(now) {
             self.make_tombstone();
         }
         self
@@ -724,7 +724,13 @@ impl EffectRecord {
 
     /// Is the record a tombstone at `now` (as its view would say)?
     pub fn expired_at(&self, now: u64) -> bool {
-        self.tombstone || (self.expires_at_ms != 0 && now >= self.expires_at_ms)
+        self.tombstone || retention_passed(self.expires_at_ms, now)
+    }
+
+    /// Not a tombstone yet, but past its retention window at `now`: what the store's
+    /// compaction and the legacy sweep rewrite.
+    pub fn due_for_tombstone(&self, now: u64) -> bool {
+        !self.tombstone && retention_passed(self.expires_at_ms, now)
     }
 
     /// Not settled yet: granted, running, or of unknown outcome (as stored; a lapsed lease
@@ -745,6 +751,12 @@ impl EffectRecord {
         self.arguments_json.clear();
         self.compensation_arguments.clear();
     }
+}
+
+/// Has a retention window that ends at `expires_at_ms` (0: none, the effect is not finished)
+/// passed at `now`? The one definition every reader and rewriter of retention uses.
+pub(crate) fn retention_passed(expires_at_ms: u64, now: u64) -> bool {
+    expires_at_ms != 0 && now >= expires_at_ms
 }
 
 /// Puts `rec` in the open-effect index or takes it out, as its state says.
