@@ -325,6 +325,58 @@ async fn kill_dash_nine_under_load_loses_nothing_acknowledged() {
     kill_cycles(dir.path(), CYCLES, |_| Vec::new()).await;
 }
 
+/// A data dir is served by one process: a second `fenced` started on it exits with a message
+/// that says so, and the first goes on serving what it acknowledged (the ledger caches what it
+/// reads, which holds only while no other process writes the store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_fenced_on_the_same_data_dir_exits_and_the_first_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = start(dir.path(), &[]);
+    serving(&first.url).await;
+    let mut c = FenceClient::connect(first.url.clone()).await.unwrap();
+    let call = call_of(0, "only");
+    let granted = c.begin(call.clone()).await.unwrap().into_inner();
+    let Some(O::Execute(ex)) = granted.decision.and_then(|d| d.outcome) else {
+        panic!("the first call is granted");
+    };
+
+    let second = Command::new(env!("CARGO_BIN_EXE_fenced"))
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .env("RUST_LOG", "warn")
+        .env_remove("RUST_BACKTRACE")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the second fenced");
+    let out = tokio::task::spawn_blocking(move || second.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the second fenced must not serve: {stderr}"
+    );
+    assert!(stderr.contains("is already open"), "{stderr}");
+    assert!(
+        stderr.contains("one process serves a data dir at a time"),
+        "{stderr}"
+    );
+
+    // The first still answers, from what it recorded: the same call replays its grant's state.
+    let again = c.begin(call).await.unwrap().into_inner();
+    match again.decision.and_then(|d| d.outcome) {
+        Some(O::InProgress(p)) => {
+            assert_eq!(p.receipt.unwrap().downstream_key, ex.downstream_key);
+        }
+        other => panic!("the first server lost its grant: {other:?}"),
+    }
+    c.complete(completion_of(&ex, "only")).await.unwrap();
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+}
+
 /// The same with the write-ahead log moved to a directory of its own half-way: the first
 /// start with `--wal-dir` moves an existing ledger's log (flushed first), and is killed
 /// before it serves, while the log moves or the new one is primed.

@@ -150,7 +150,26 @@ fn open_db(path: &Path, opts: &StoreOptions, wal: Option<&Path>) -> Result<DB, S
     if let Some(wal) = wal {
         db_opts.set_wal_dir(wal);
     }
-    DB::open_cf_descriptors(&db_opts, path, cfs).map_err(engine)
+    DB::open_cf_descriptors(&db_opts, path, cfs).map_err(|e| opening(path, e))
+}
+
+/// An open's error, said plainly where it is the usual one: the store is open already.
+/// RocksDB locks the store's `LOCK` file for as long as one process has it open for writing
+/// (another process gets `While lock file: ...`, this one `lock hold by current process`;
+/// both name the file), which is what lets the ledger cache what it reads.
+fn opening(path: &Path, e: rocksdb::Error) -> StoreError {
+    let message = e.into_string();
+    let lock = path.join("LOCK");
+    if message.contains(&*lock.to_string_lossy()) {
+        return StoreError::Engine(format!(
+            "{} is already open (its lock file {} is held): one process serves a data dir at a \
+             time; stop the process that has it open, or give this one a data dir of its own \
+             (RocksDB: {message})",
+            path.display(),
+            lock.display(),
+        ));
+    }
+    StoreError::Engine(message)
 }
 
 /// The database read-only: what serves reads while it cannot be opened for writing (a full
@@ -900,6 +919,28 @@ mod tests {
         assert_eq!(prefix_end(&[1, 2]), Some(vec![1, 3]));
         assert_eq!(prefix_end(&[1, 0xff]), Some(vec![2]));
         assert_eq!(prefix_end(&[0xff, 0xff]), None);
+    }
+
+    #[test]
+    fn a_store_open_for_writing_cannot_be_opened_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = RocksStore::open(dir.path(), &StoreOptions::default()).unwrap();
+        let Err(err) = RocksStore::open(dir.path(), &StoreOptions::default()) else {
+            panic!("a second open is refused");
+        };
+        let message = err.to_string();
+        assert!(message.contains("is already open"), "{message}");
+        assert!(
+            message.contains(&*dir.path().join("LOCK").to_string_lossy()),
+            "{message}"
+        );
+        // A read-only open takes no lock (backups are verified that way), and the first
+        // store is untouched.
+        let mut batch = Batch::new();
+        batch.put(b"k".to_vec(), b"v".to_vec());
+        first.write(batch).unwrap();
+        drop(RocksStore::open_read_only(dir.path(), &StoreOptions::default()).unwrap());
+        assert_eq!(first.get(b"k").unwrap(), Some(b"v".to_vec()));
     }
 
     #[test]
