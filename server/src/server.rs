@@ -158,6 +158,14 @@ pub fn open_ledger_with(
         StoreError::Engine(format!("cannot create {}: {e}", config.data_dir.display()))
     };
     let existing = existing_ancestor(&config.data_dir).map_err(cannot_create)?;
+    if config.data_dir.exists() && !config.data_dir.is_dir() {
+        return Err(StoreError::Engine(format!(
+            "the data dir {} is not a directory: give --data-dir a directory (it is created if \
+             missing)",
+            config.data_dir.display()
+        ))
+        .into());
+    }
     std::fs::create_dir_all(&config.data_dir).map_err(cannot_create)?;
     let key_path = config
         .credential_key_file
@@ -509,6 +517,21 @@ mod tests {
         // At the next start the data dir exists: it is its own existing ancestor.
         assert_eq!(existing_ancestor(&data_dir).unwrap(), data_dir);
         open_ledger(&config, Arc::new(crate::clock::SystemClock)).unwrap();
+    }
+
+    #[test]
+    fn a_data_dir_that_is_a_file_is_refused_and_left_alone() {
+        let root = tempfile::tempdir().unwrap();
+        let file = root.path().join("data");
+        std::fs::write(&file, b"not a data dir").unwrap();
+        let Err(err) = open_ledger(
+            &Config::with_data_dir(&file),
+            Arc::new(crate::clock::SystemClock),
+        ) else {
+            panic!("a file is not a data dir");
+        };
+        assert!(err.to_string().contains("is not a directory"), "{err}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"not a data dir");
     }
 
     #[test]
