@@ -150,17 +150,18 @@ fn open_db(path: &Path, opts: &StoreOptions, wal: Option<&Path>) -> Result<DB, S
     if let Some(wal) = wal {
         db_opts.set_wal_dir(wal);
     }
-    DB::open_cf_descriptors(&db_opts, path, cfs).map_err(|e| opening(path, e))
+    DB::open_cf_descriptors(&db_opts, path, cfs).map_err(|e| opening(path, e.into_string()))
 }
 
 /// An open's error, said plainly where it is the usual one: the store is open already.
 /// RocksDB locks the store's `LOCK` file for as long as one process has it open for writing
-/// (another process gets `While lock file: ...`, this one `lock hold by current process`;
-/// both name the file), which is what lets the ledger cache what it reads.
-fn opening(path: &Path, e: rocksdb::Error) -> StoreError {
-    let message = e.into_string();
+/// (another process gets `While lock file: <LOCK>: ...`, this one `lock hold by current
+/// process, ...: <LOCK>`), which is what lets the ledger cache what it reads. Other failures
+/// on the file (`While open a file for lock`: permissions, a full disk) keep their own words.
+fn opening(path: &Path, message: String) -> StoreError {
     let lock = path.join("LOCK");
-    if message.contains(&*lock.to_string_lossy()) {
+    let held = message.contains("While lock file") || message.contains("lock hold by current");
+    if held && message.contains(&*lock.to_string_lossy()) {
         return StoreError::Engine(format!(
             "{} is already open (its lock file {} is held): one process serves a data dir at a \
              time; stop the process that has it open, or give this one a data dir of its own \
@@ -941,6 +942,20 @@ mod tests {
         first.write(batch).unwrap();
         drop(RocksStore::open_read_only(dir.path(), &StoreOptions::default()).unwrap());
         assert_eq!(first.get(b"k").unwrap(), Some(b"v".to_vec()));
+    }
+
+    #[test]
+    fn only_a_held_lock_reads_as_a_store_already_open() {
+        let path = Path::new("/d/ledger");
+        let says = |m: &str| opening(path, m.to_owned()).to_string();
+        for held in [
+            "IO error: While lock file: /d/ledger/LOCK: Resource temporarily unavailable",
+            "IO error: lock hold by current process, acquire time 1 acquiring thread 2: /d/ledger/LOCK: No locks available",
+        ] {
+            assert!(says(held).contains("is already open"), "{held}");
+        }
+        let denied = "IO error: While open a file for lock: /d/ledger/LOCK: Permission denied";
+        assert_eq!(says(denied), format!("storage engine error: {denied}"));
     }
 
     #[test]
