@@ -155,17 +155,19 @@ pub fn open_ledger_with(
     store: &StoreOptions,
 ) -> Result<Ledger<RocksStore>, ServeError> {
     let cannot_create = |e: std::io::Error| {
-        StoreError::Engine(format!("cannot create {}: {e}", config.data_dir.display()))
+        let dir = config.data_dir.display();
+        // `create_dir_all` meets a file where the data dir (or one of its parents) should be.
+        match e.kind() {
+            std::io::ErrorKind::AlreadyExists | std::io::ErrorKind::NotADirectory => {
+                StoreError::Engine(format!(
+                    "the data dir {dir} is not a directory (or has a file among its parents): \
+                     give --data-dir a directory (it is created if missing)"
+                ))
+            }
+            _ => StoreError::Engine(format!("cannot create {dir}: {e}")),
+        }
     };
     let existing = existing_ancestor(&config.data_dir).map_err(cannot_create)?;
-    if config.data_dir.exists() && !config.data_dir.is_dir() {
-        return Err(StoreError::Engine(format!(
-            "the data dir {} is not a directory: give --data-dir a directory (it is created if \
-             missing)",
-            config.data_dir.display()
-        ))
-        .into());
-    }
     std::fs::create_dir_all(&config.data_dir).map_err(cannot_create)?;
     let key_path = config
         .credential_key_file
@@ -532,6 +534,14 @@ mod tests {
         };
         assert!(err.to_string().contains("is not a directory"), "{err}");
         assert_eq!(std::fs::read(&file).unwrap(), b"not a data dir");
+        // A file among the parents reads the same.
+        let Err(err) = open_ledger(
+            &Config::with_data_dir(file.join("below")),
+            Arc::new(crate::clock::SystemClock),
+        ) else {
+            panic!("a file is not a parent of a data dir");
+        };
+        assert!(err.to_string().contains("is not a directory"), "{err}");
     }
 
     #[test]
